@@ -1,0 +1,79 @@
+"""Measures the verify cost curve r(k) of a model on this device, once, and caches it.
+
+r(k) = time to decode k+1 tokens with logits on every row / time to decode one token. On a GPU it
+stays near 1 up to k ~ 8-16; on a small CPU it climbs quickly, which is why k must adapt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+
+from .catalog import localspec_home
+from .llama import Context, system_info
+from .policy import CostCurve
+
+CALIBRATION_VERSION = 1
+
+
+def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
+    st = ctx.model.path.stat()
+    ident = json.dumps([CALIBRATION_VERSION, str(ctx.model.path.resolve()), st.st_size,
+                        int(st.st_mtime), ctx.n_threads, n_gpu_layers, k_max, system_info()])
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
+    """Decode batches of 1..k_max+1 tokens after a short prefix and time them (median of reps).
+
+    Leaves the context empty. Costs about reps * sum(r(k)) one-token decodes.
+    """
+    ctx.clear()
+    vocab = ctx.model.n_vocab
+    prefix = [(7 * i + 3) % vocab for i in range(32)]
+    ctx.decode(prefix, logits="none")
+    base = ctx.n_past
+    times = []
+    for k in range(k_max + 1):
+        samples = []
+        for _ in range(reps + (1 if k == 0 else 0)):  # one extra warm-up at k=0
+            toks = [(11 * j + 5) % vocab for j in range(k + 1)]
+            t = time.perf_counter()
+            ctx.decode(toks, logits="all")
+            samples.append(time.perf_counter() - t)
+            ctx.truncate(base)
+        times.append(min(samples[-reps:]))  # noise from a shared machine only ever adds time
+    ctx.clear()
+    one = times[0]
+    ratios = [max(1.0, t / one) for t in times]
+    # Suffix minimum: a spike at k (noise) cannot make k dearer than a larger batch measured
+    # cheaper. Real dips survive (repacked CPU kernels work in groups of 4: k=3 can beat k=2).
+    for k in range(k_max - 1, 0, -1):
+        ratios[k] = min(ratios[k], ratios[k + 1])
+    ratios[0] = 1.0
+    return CostCurve(tuple(round(r, 3) for r in ratios), ms_per_step=1000 * one)
+
+
+def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
+                    progress=None) -> CostCurve:
+    """The cached curve for this model/device/threads, measuring it the first time."""
+    key = curve_key(ctx, n_gpu_layers, k_max)
+    path = localspec_home() / "calibration" / f"{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        return CostCurve(tuple(data["ratios"]), data["ms_per_step"], key)
+    except (OSError, ValueError, KeyError):
+        pass
+    if progress:
+        progress(f"measuring the verify cost curve of {ctx.model.path.name} on this device "
+                 "(once; cached)...")
+    curve = measure(ctx, k_max)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
+                               "model": str(ctx.model.path), "threads": ctx.n_threads}))
+    os.replace(tmp, path)
+    return CostCurve(curve.ratios, curve.ms_per_step, key)

@@ -1,0 +1,94 @@
+"""The `localspec` command line: a thin click group; each command lives in its own module."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from . import __version__
+from .cli_common import build_sampling, model_options, open_engine, sampling_options
+from .cli_models import models
+from .errors import LocalspecError
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+@click.version_option(__version__, "-V", "--version", prog_name="localspec")
+def cli():
+    """localspec: a local LLM runtime with lossless speculative decoding on llama.cpp.
+
+    A cheap proposer guesses the next tokens, the model checks them all in one batch, and only
+    what the model itself would have produced is kept: same text, sooner.
+
+    \b
+    Examples:
+      localspec models pull default            # Qwen2.5-Coder-1.5B-Instruct (1.1 GB)
+      localspec generate "def fib(n):"         # raw completion on stdout
+      echo "Explain KV caches" | localspec generate --chat --stats -
+    """
+
+
+@cli.command()
+@click.argument("prompt")
+@click.option("--chat", is_flag=True, help="Wrap PROMPT as one user message in the model's "
+                                           "chat template (default: raw completion).")
+@click.option("--system", default=None, help="System message (implies --chat).")
+@click.option("--document", type=click.File("r"), default=None,
+              help="Extra text for the n-gram proposer to copy from (the file being edited...).")
+@click.option("--stats", is_flag=True, help="Print acceptance and speed statistics to stderr.")
+@model_options(default_proposer="none")
+@sampling_options
+def generate(prompt, chat, system, document, stats, **kw):
+    """Complete PROMPT (or stdin with `-`) and stream the text to stdout.
+
+    Plain decoding by default, for scripting and for checking speculative output against;
+    `--proposer ngram` speculates (same text, faster when the output repeats the input).
+
+    \b
+    Examples:
+      localspec generate -m smollm2-135m -n 64 "The capital of France is"
+      localspec generate --chat --proposer ngram --stats "Rewrite in Rust: ..." 
+      cat prompt.txt | localspec generate -t 0.7 --seed 1 -
+    """
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if chat or system:
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+                   [{"role": "user", "content": prompt}]
+        prompt = messages
+    with open_engine(kw) as engine:
+        gen = engine.generate(prompt, build_sampling(kw), max_tokens=kw["max_tokens"],
+                              stop=kw["stop"], document=document.read() if document else None)
+        for piece in gen:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        if stats:
+            click.echo(gen.stats.summary(), err=True)
+
+
+cli.add_command(models)
+
+
+def main() -> None:
+    """Console entry point: user errors are one line on stderr, never a traceback."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except LocalspecError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)

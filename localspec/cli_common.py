@@ -1,0 +1,81 @@
+"""Options shared by every command that generates text, and the objects they build.
+
+stdout carries only generated data; progress, statistics and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .engine import Engine, EngineConfig
+from .policy import PolicyConfig
+from .sampling import SamplingParams
+
+
+def model_options(default_proposer: str = "ngram"):
+    """-m/--model, --proposer and the device/context knobs."""
+
+    def wrap(f):
+        opts = [
+            click.option("-m", "--model", default="default", show_default=True,
+                         envvar="LOCALSPEC_MODEL",
+                         help="Catalog name (see `localspec models list`) or path to a .gguf "
+                              "file. Env: LOCALSPEC_MODEL."),
+            click.option("--proposer", type=click.Choice(["ngram", "none"]),
+                         default=default_proposer, show_default=True,
+                         help="Where draft tokens come from: ngram = prompt lookup (free, wins "
+                              "when the output repeats the input); none = plain decoding."),
+            click.option("--k", "fixed_k", type=click.IntRange(0, 32), default=None,
+                         help="Draft exactly this many tokens per step (default: adaptive, "
+                              "from the measured cost curve and running acceptance)."),
+            click.option("--ctx", "n_ctx", type=click.IntRange(64), default=4096,
+                         show_default=True, help="Context size in tokens (prompt + output)."),
+            click.option("--threads", type=click.IntRange(1), default=None,
+                         help="CPU threads (default: all cores this process may use)."),
+            click.option("--gpu-layers", type=int, default=0, show_default=True,
+                         help="Layers to offload to the GPU (CUDA/Metal builds); -1 = all."),
+        ]
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+
+    return wrap
+
+
+def sampling_options(f):
+    """--temperature and the rest of the sampler chain, plus --max-tokens and --stop."""
+    opts = [
+        click.option("-n", "--max-tokens", type=click.IntRange(1), default=256, show_default=True,
+                     help="Stop after this many generated tokens."),
+        click.option("-t", "--temperature", type=click.FloatRange(0.0), default=0.0,
+                     show_default=True, help="0 = greedy (deterministic); > 0 samples."),
+        click.option("--top-k", type=click.IntRange(0), default=40, show_default=True,
+                     help="Keep the k most likely tokens (0 = off)."),
+        click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=0.95,
+                     show_default=True, help="Nucleus sampling mass (1.0 = off)."),
+        click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=0.05,
+                     show_default=True, help="Drop tokens below this fraction of the top "
+                                             "probability (0 = off)."),
+        click.option("--repeat-penalty", type=click.FloatRange(0.0), default=1.0,
+                     show_default=True, help="Penalty for recently seen tokens (1.0 = off)."),
+        click.option("--seed", type=int, default=None,
+                     help="Random seed: the same seed gives the same text, with or without "
+                          "speculation."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable); not printed."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def build_sampling(kw: dict) -> SamplingParams:
+    return SamplingParams(temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
+                          min_p=kw["min_p"], repeat_penalty=kw["repeat_penalty"], seed=kw["seed"])
+
+
+def open_engine(kw: dict) -> Engine:
+    config = EngineConfig(proposer=kw["proposer"], n_ctx=kw["n_ctx"], n_threads=kw["threads"],
+                          n_gpu_layers=kw["gpu_layers"],
+                          policy=PolicyConfig(fixed_k=kw["fixed_k"]))
+    return Engine(kw["model"], config, progress=lambda msg: click.echo(msg, err=True))
+

@@ -1,0 +1,280 @@
+"""The generation loop: prefill, then speculative steps (propose -> verify in one batch -> roll back).
+
+Plain decoding is the same loop with no drafts (k = 0), so the baseline and the speculative path
+share the prefill, the sampler chain, the random stream and the stopping rules.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+from .calibrate import load_or_measure
+from .catalog import resolve_model
+from .errors import LocalspecError
+from .llama import Context, ContextParams, Model, ModelParams
+from .policy import DraftPolicy, PolicyConfig
+from .proposers import EMPTY, NgramProposer
+from .sampling import PositionStream, SamplingParams, draw, target_dist
+from .stats import GenerationStats
+from .textstream import TextStream
+from .verify import verify
+
+Prompt = Union[str, Sequence[dict]]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings with defaults for a laptop CPU. proposer: "ngram" or "none" (plain)."""
+
+    proposer: str = "ngram"
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: Optional[int] = None
+    n_gpu_layers: int = 0
+    ngram_min: int = 1
+    ngram_max: int = 4
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+@dataclass
+class _Request:
+    """Mutable state of one generate() call."""
+
+    sampling: SamplingParams
+    stream: PositionStream
+    policy: Optional[DraftPolicy]
+    history: list                 # prompt + emitted tokens (what penalties and n-gram see)
+    out: list = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class Generation:
+    """Iterate for text pieces as they are ready; afterwards `.text`, `.tokens`, `.stats`."""
+
+    def __init__(self, run: Iterator[str], request: _Request, texts: TextStream):
+        self._run, self._request, self._texts = run, request, texts
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._run
+
+    def complete(self) -> str:
+        for _ in self:
+            pass
+        return self.text
+
+    @property
+    def text(self) -> str:
+        return self._texts.text
+
+    @property
+    def tokens(self) -> list:
+        return self._request.out
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self._request.stats
+
+
+class Engine:
+    """A target model, its context, and a proposer. Not thread-safe: one generation at a time."""
+
+    def __init__(self, target: Union[str, os.PathLike, Model], config: EngineConfig = EngineConfig(),
+                 progress: Optional[Callable[[str], None]] = None):
+        self.config = config
+        self._progress = progress
+        self._own_model = not isinstance(target, Model)
+        self.model = Model(resolve_model(str(target)), ModelParams(n_gpu_layers=config.n_gpu_layers)) \
+            if self._own_model else target
+        try:
+            self.ctx = Context(self.model, ContextParams(config.n_ctx, config.n_batch,
+                                                         config.n_threads))
+        except Exception:
+            self._close_model()
+            raise
+        if config.proposer not in ("ngram", "none"):
+            raise LocalspecError(f"unknown proposer {config.proposer!r}; use ngram or none.")
+        self.proposer = NgramProposer(config.ngram_min, config.ngram_max) \
+            if config.proposer == "ngram" else None
+        self._cost = None
+        self._kv_tokens: list = []       # tokens whose KV rows are in ctx, positions 0..n_past-1
+        self._can_rollback = True
+
+    # -- public --------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> list:
+        if isinstance(prompt, str):
+            return self.model.tokenize(prompt, add_special=True, parse_special=False)
+        text = self.model.apply_chat_template(list(prompt), add_assistant=True)
+        return self.model.tokenize(text, add_special=True, parse_special=True)
+
+    def generate(self, prompt: Prompt, sampling: SamplingParams = SamplingParams(),
+                 max_tokens: int = 256, stop: Sequence[str] = (), document: Optional[str] = None,
+                 speculate: bool = True, cancel: Optional[threading.Event] = None) -> Generation:
+        """Start a generation. `prompt` is raw text, or chat messages [{"role", "content"}] that
+        are rendered with the model's own template. `document` is extra text for the n-gram
+        proposer to search. Iterate the result for streamed text."""
+        prompt_tokens = self.tokenize_prompt(prompt)
+        if len(prompt_tokens) >= self.ctx.n_ctx:
+            raise LocalspecError(
+                f"the prompt is {len(prompt_tokens)} tokens but the context holds {self.ctx.n_ctx}; "
+                f"raise --ctx (the model was trained on {self.model.n_ctx_train}) or shorten it.")
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        use_spec = speculate and self.proposer is not None and self._can_rollback
+        req = _Request(sampling, PositionStream(seed),
+                       DraftPolicy(self._cost_curve(), self.config.policy) if use_spec else None,
+                       list(prompt_tokens))
+        if use_spec:
+            doc = self.model.tokenize(document, add_special=False) if document else None
+            self.proposer.begin(prompt_tokens, doc)
+        texts = TextStream(self.model.token_piece, stop)
+        return Generation(self._run(req, texts, max_tokens, cancel), req, texts)
+
+    def close(self) -> None:
+        if self.proposer is not None:
+            self.proposer.close()
+            self.proposer = None
+        self.ctx.close()
+        self._close_model()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _run(self, req: _Request, texts: TextStream, max_tokens: int,
+             cancel: Optional[threading.Event]) -> Iterator[str]:
+        st, n_prompt = req.stats, len(req.history)
+        st.prompt_tokens = n_prompt
+        start = time.perf_counter()
+        try:
+            logits = self._prefill(req.history)
+            st.prefill_tokens = self._prefilled
+            st.prefill_ms = 1000 * (time.perf_counter() - start)
+            emitted = [draw(target_dist(logits, req.sampling, req.history), req.stream.u(0, 0))]
+            while True:
+                for tok in emitted:
+                    if self.model.is_eog(tok):
+                        st.stop_reason = "eos"
+                        break
+                    req.out.append(tok)
+                    req.history.append(tok)
+                    piece = texts.feed(tok)
+                    if piece:
+                        yield piece
+                    if texts.stopped:
+                        st.stop_reason = "stop"
+                        break
+                    if len(req.out) >= max_tokens:
+                        st.stop_reason = "length"
+                        break
+                if st.stop_reason:
+                    break
+                if cancel is not None and cancel.is_set():
+                    st.stop_reason = "cancelled"
+                    break
+                if self.ctx.n_past + 1 >= self.ctx.n_ctx:
+                    st.stop_reason = "context"
+                    break
+                emitted = self._step(req)
+                if self.proposer is not None and req.policy is not None:
+                    self.proposer.accept(emitted)
+            tail = texts.finish()
+            if tail:
+                yield tail
+        finally:
+            # Keep only KV rows that match prompt + output: a stop inside an accepted run, an
+            # exception or Ctrl-C must not leave stray rows for the next request to reuse.
+            keep = min(self.ctx.n_past, n_prompt + len(req.out))
+            if not self.ctx.truncate(keep):
+                self.ctx.clear()
+            self._kv_tokens = (req.history[:n_prompt] + req.out)[: self.ctx.n_past]
+            st.generated_tokens = len(req.out)
+            st.total_ms = 1000 * (time.perf_counter() - start)
+            if not st.stop_reason:
+                st.stop_reason = "cancelled"
+
+    def _step(self, req: _Request) -> list:
+        """One step: propose, decode [last] + drafts in one batch, verify, roll back, emit.
+
+        KV invariant: before the step, KV holds every token but the last emitted one.
+        """
+        clock = time.perf_counter
+        t0 = clock()
+        proposal, k = EMPTY, 0
+        room = self.ctx.n_ctx - self.ctx.n_past - 1
+        if req.policy is not None and room > 0:
+            proposal = self.proposer.propose(min(self.config.policy.k_max, room))
+            k = req.policy.choose_k(proposal.source, available=len(proposal.tokens))
+        drafts = proposal.tokens[:k]
+        p_draft = proposal.p_draft[:k] if proposal.p_draft is not None else None
+        n_past = self.ctx.n_past
+        t1 = clock()
+        rows = self.ctx.decode([req.history[-1], *drafts], logits="all")  # [k + 1, n_vocab] f32
+        t2 = clock()
+        recent = req.history[-req.sampling.repeat_last_n:] if req.sampling.repeat_penalty != 1.0 else []
+        verdict = verify(drafts, p_draft,
+                         lambda i: target_dist(rows[i], req.sampling, recent + drafts[:i]),
+                         req.stream, t0=len(req.out))
+        emitted = verdict.emitted(drafts)
+        # Keep [last] + accepted drafts; the recovered/bonus token is not in KV yet.
+        if not self.ctx.truncate(n_past + 1 + verdict.n_accepted):
+            self._rollback_refused(req, emitted)
+        if k == 0 and proposal.tokens:
+            # Plain step with a proposal at hand: learn its acceptance for free.
+            req.policy.observe(proposal.source, 1, int(proposal.tokens[0] == emitted[0]))
+        elif req.policy is not None:
+            req.policy.observe(proposal.source, k, verdict.n_accepted)
+        st = req.stats
+        st.record_step(proposal.source, k, verdict.n_accepted)
+        st.propose_ms += 1000 * (t1 - t0)
+        st.verify_ms += 1000 * (t2 - t1)
+        st.sample_ms += 1000 * (clock() - t2)
+        return emitted
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _prefill(self, prompt_tokens: list):
+        """Evaluate the prompt, reusing the longest KV prefix left by the previous request.
+        Returns the logits row [n_vocab] of the last prompt token."""
+        common = 0
+        for a, b in zip(self._kv_tokens, prompt_tokens):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt_tokens) - 1)   # at least one token to get logits from
+        if not self.ctx.truncate(common):
+            self.ctx.clear()
+            common = 0
+        self._kv_tokens = []
+        logits = self.ctx.decode(prompt_tokens[common:], logits="last")[0]
+        self._prefilled = len(prompt_tokens) - common
+        self._kv_tokens = list(prompt_tokens)
+        return logits
+
+    def _rollback_refused(self, req: _Request, emitted: list) -> None:
+        """The model's memory cannot drop rows (recurrent/hybrid): rebuild KV, stop speculating."""
+        print("localspec: this model cannot roll back its KV cache; continuing with plain "
+              "decoding.", file=sys.stderr)
+        self._can_rollback = False
+        req.policy = None
+        self.ctx.clear()
+        keep = req.history + emitted[:-1]
+        self.ctx.decode(keep, logits="none")
+
+    def _cost_curve(self):
+        if self._cost is None:
+            curve = load_or_measure(self.ctx, self.config.n_gpu_layers, self.config.policy.k_max,
+                                    progress=self._progress)
+            self._cost = curve.ratios
+            self._kv_tokens = []          # calibration used the context
+        return self._cost
+
+    def _close_model(self) -> None:
+        if self._own_model:
+            self.model.close()

@@ -1,0 +1,345 @@
+"""The one door to llama.cpp: models, contexts, batches, logits, KV rollback, chat templates, logs.
+
+No other module imports `llama_cpp`; upstream renames (kv_cache -> kv_self -> memory) cost this file
+only. Native resources have explicit lifetimes (`close()` / context managers, context before model),
+never `__del__`. Pinned to llama-cpp-python 0.3.36.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import llama_cpp as C
+import numpy as np
+
+from .errors import LocalspecError
+
+# ---------------------------------------------------------------------------------------------
+# Logging and backend
+
+_LOG_LEVEL_NAMES = {"debug": 1, "info": 2, "warn": 3, "error": 4}  # ggml_log_level values
+_log_state = {"min_level": 4, "callback": None}  # keep the ctypes callback alive for the process
+
+
+def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # level 5 is GGML_LOG_LEVEL_CONT: a continuation of the previous message; follow its filter.
+    if level != 5:
+        _log_state["last_shown"] = level >= _log_state["min_level"]
+    if _log_state.get("last_shown") and text:
+        sys.stderr.write(text.decode("utf-8", "replace"))
+        sys.stderr.flush()
+
+
+def set_log_level(level: str = "error") -> None:
+    """Route llama.cpp's log output to stderr at `level` or above ("none" silences it).
+
+    Never stdout: the editor protocol owns stdout. Default from LOCALSPEC_LOG, else "error".
+    """
+    level = os.environ.get("LOCALSPEC_LOG", level).lower()
+    _log_state["min_level"] = _LOG_LEVEL_NAMES.get(level, 99)
+    if _log_state["callback"] is None:
+        _log_state["callback"] = C.llama_log_callback(_on_log)
+        C.llama_log_set(_log_state["callback"], ctypes.c_void_p(0))
+
+
+_backend_ready = False
+
+
+def _ensure_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        set_log_level(os.environ.get("LOCALSPEC_LOG", "error"))
+        C.llama_backend_init()
+        _backend_ready = True
+
+
+def system_info() -> str:
+    """llama.cpp's compile-time CPU/GPU feature line (what this build can use)."""
+    return C.llama_print_system_info().decode("utf-8", "replace").strip()
+
+
+def supports_gpu_offload() -> bool:
+    return bool(C.llama_supports_gpu_offload())
+
+
+def build_has_amx() -> bool:
+    """True when this llama.cpp build contains the AMX kernels that crash on first decode
+    (upstream llama.cpp issue 20824); install.sh builds without them."""
+    return "AMX" in system_info()
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    """How to load a GGUF. n_gpu_layers: 0 = CPU only, -1 = offload every layer."""
+
+    n_gpu_layers: int = 0
+    use_mmap: bool = True
+    # None = auto: keep llama.cpp's repacked CPU kernels unless this build has AMX kernels.
+    use_extra_bufts: Optional[bool] = None
+
+
+def _check_gguf_file(path: Path) -> None:
+    if not path.exists():
+        raise LocalspecError(f"model file not found: {path}")
+    if not path.is_file():
+        raise LocalspecError(f"model path is not a file: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise LocalspecError(f"{path} is not a GGUF model file (it does not start with 'GGUF').")
+
+
+class Model:
+    """A loaded GGUF model and its vocabulary."""
+
+    def __init__(self, path: str | os.PathLike, params: ModelParams = ModelParams()):
+        _ensure_backend()
+        self.path = Path(path)
+        _check_gguf_file(self.path)
+        mp = C.llama_model_default_params()
+        mp.n_gpu_layers = params.n_gpu_layers
+        mp.load_mode = C.LLAMA_LOAD_MODE_MMAP if params.use_mmap else C.LLAMA_LOAD_MODE_NONE
+        extra = params.use_extra_bufts
+        if extra is None:
+            extra = not build_has_amx()
+            if not extra:
+                print("localspec: this llama.cpp build has AMX kernels that crash on this CPU; "
+                      "loading without repacked weights (slower). Reinstall with ./install.sh to fix.",
+                      file=sys.stderr)
+        mp.use_extra_bufts = extra
+        self._model = C.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise LocalspecError(
+                f"llama.cpp could not load {self.path} (truncated or corrupt GGUF, or an "
+                "architecture this llama.cpp does not know); re-pull it or check the file.")
+        self._vocab = C.llama_model_get_vocab(self._model)
+        self.n_vocab: int = C.llama_vocab_n_tokens(self._vocab)
+        self.bos: int = C.llama_vocab_bos(self._vocab)
+        self.eos: int = C.llama_vocab_eos(self._vocab)
+        self.add_bos: bool = bool(C.llama_vocab_get_add_bos(self._vocab))
+        self.n_ctx_train: int = C.llama_model_n_ctx_train(self._model)
+        self._pieces: dict[int, bytes] = {}
+        self._eog = np.zeros(self.n_vocab, dtype=bool)
+        for tok in range(self.n_vocab):
+            self._eog[tok] = C.llama_vocab_is_eog(self._vocab, tok)
+
+    # -- identity ---------------------------------------------------------------------------
+    def describe(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        C.llama_model_desc(self._model, buf, 256)
+        return buf.value.decode("utf-8", "replace")
+
+    def meta(self, key: str) -> Optional[str]:
+        buf = ctypes.create_string_buffer(4096)
+        n = C.llama_model_meta_val_str(self._model, key.encode(), buf, 4096)
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    def vocab_type(self) -> int:
+        return int(C.llama_vocab_type(self._vocab))
+
+    def token_text(self, token: int) -> bytes:
+        """The raw vocabulary entry of `token` (as stored in the GGUF), for compatibility checks."""
+        return C.llama_vocab_get_text(self._vocab, token) or b""
+
+    def is_eog(self, token: int) -> bool:
+        """End of generation: EOS, EOT or any token the GGUF marks as ending a turn."""
+        return bool(self._eog[token])
+
+    # -- text <-> tokens ----------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (C.llama_token * n_max)()
+        n = C.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            n_max = -n
+            buf = (C.llama_token * n_max)()
+            n = C.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            raise LocalspecError("llama.cpp failed to tokenize the input text.")
+        return list(buf[:n])
+
+    def token_piece(self, token: int) -> bytes:
+        """Bytes that `token` contributes to the output text (control tokens render empty)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = C.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = C.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+            piece = buf.raw[:n]
+            self._pieces[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_piece(t) for t in tokens).decode("utf-8", "replace")
+
+    # -- chat --------------------------------------------------------------------------------
+    def chat_template(self) -> Optional[str]:
+        tmpl = C.llama_model_chat_template(self._model, None)
+        return tmpl.decode("utf-8", "replace") if tmpl else None
+
+    def apply_chat_template(self, messages: Sequence[dict], add_assistant: bool = True) -> str:
+        """Render messages [{"role", "content"}] with the GGUF's own template (llama.cpp's
+        built-in template engine, which recognises the common families: ChatML, Llama, ...)."""
+        tmpl = C.llama_model_chat_template(self._model, None)
+        if not tmpl:
+            raise LocalspecError(f"{self.path.name} has no chat template; use a raw prompt instead.")
+        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        arr = (C.llama_chat_message * len(keep))()
+        for i, (role, content) in enumerate(keep):
+            arr[i].role, arr[i].content = role, content
+        size = 2 * sum(len(r) + len(c) for r, c in keep) + 256
+        buf = ctypes.create_string_buffer(size)
+        n = C.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n)
+            n = C.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, n)
+        if n < 0:
+            raise LocalspecError(
+                f"llama.cpp does not support the chat template of {self.path.name}; use a raw prompt.")
+        return buf.raw[:n].decode("utf-8", "replace")
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._model:
+            C.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Context
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """Context settings. n_threads None = every core this process may use."""
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: Optional[int] = None
+    flash_attn: bool = False
+
+
+class Context:
+    """One sequence (seq 0) of KV cache over a Model, with the batch buffer reused for every decode.
+
+    Invariant: positions 0..n_past-1 of seq 0 are filled; decode() appends at n_past.
+    """
+
+    def __init__(self, model: Model, params: ContextParams = ContextParams()):
+        self.model = model
+        cp = C.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = cp.n_ubatch = min(params.n_batch, params.n_ctx)
+        threads = params.n_threads or default_threads()
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type = (C.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
+                              else C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cp.no_perf = True
+        self._ctx = C.llama_init_from_model(model._model, cp)
+        if not self._ctx:
+            raise LocalspecError(f"llama.cpp could not create a context of {params.n_ctx} tokens "
+                                 "(out of memory?); try a smaller --ctx.")
+        self.n_ctx: int = C.llama_n_ctx(self._ctx)
+        self.n_batch: int = cp.n_batch
+        self.n_threads = threads
+        self._mem = C.llama_get_memory(self._ctx)
+        self._batch = C.llama_batch_init(self.n_batch, 0, 1)
+        # Zero-copy numpy views over the batch arrays; seq ids are fixed to 0 once here.
+        b = self._batch
+        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
+        for i in range(self.n_batch):
+            b.seq_id[i][0] = 0
+        self.n_past = 0
+
+    def decode(self, tokens: Sequence[int], logits: str | Sequence[int] = "last") -> np.ndarray:
+        """Append `tokens` at n_past and return logits for the chosen rows.
+
+        logits: "last" (one row: prompt prefill), "all", "none", or row indices into `tokens`.
+        Returns a float32 view [n_rows, n_vocab] into llama.cpp's buffer, valid until the next
+        decode (copy it if you keep it). Long inputs are split into n_batch chunks.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("decode() needs at least one token")
+        if self.n_past + n > self.n_ctx:
+            raise LocalspecError(
+                f"the text needs {self.n_past + n} tokens but the context holds {self.n_ctx}; "
+                "raise --ctx or shorten the input.")
+        if isinstance(logits, str):
+            rows = {"last": [n - 1], "all": range(n), "none": []}[logits]
+        else:
+            rows = logits
+        want = np.zeros(n, dtype=np.int8)
+        want[list(rows)] = 1
+        n_rows = int(want.sum())
+        if n_rows and want[:((n - 1) // self.n_batch) * self.n_batch].any():
+            raise ValueError("logit rows must all fall in the last n_batch-sized chunk")
+        for start in range(0, n, self.n_batch):
+            chunk = slice(start, min(n, start + self.n_batch))
+            m = chunk.stop - chunk.start
+            self._tok[:m] = tokens[chunk]
+            self._pos[:m] = np.arange(self.n_past, self.n_past + m)
+            self._out[:m] = want[chunk]
+            self._batch.n_tokens = m
+            rc = C.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                raise LocalspecError(f"llama.cpp decode failed (code {rc}); the context may be full.")
+            self.n_past += m
+        if n_rows == 0:
+            return np.empty((0, self.model.n_vocab), dtype=np.float32)
+        ptr = C.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
+
+    def truncate(self, n_keep: int) -> bool:
+        """Drop KV rows at positions >= n_keep. Returns False when the model's memory refuses a
+        partial removal (recurrent/hybrid models); n_past is left unchanged then."""
+        if n_keep >= self.n_past:
+            return True
+        ok = bool(C.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
+        if ok:
+            self.n_past = n_keep
+        return ok
+
+    def clear(self) -> None:
+        C.llama_memory_clear(self._mem, True)
+        self.n_past = 0
+
+    def close(self) -> None:
+        if self._ctx:
+            C.llama_batch_free(self._batch)
+            C.llama_free(self._ctx)
+            self._ctx = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,97 @@
+"""How many tokens to draft: the cost model, a running acceptance estimate, and the off-switch.
+
+A verify batch of k+1 tokens costs r(k) one-token decodes (r(0) = 1). With per-token acceptance
+a, a step emits E(k) = (1 - a^(k+1)) / (1 - a) tokens, so speculation runs at E(k) / (r(k) + c(k))
+times plain speed, where c(k) is the proposer's own cost in target-decode units. The policy picks
+the k that maximises that and drafts nothing (k = 0, plain decoding) when no k beats 1.0.
+k depends only on the cost curve and the acceptance history, never on wall-clock time measured
+during the request, so a run is reproducible once its cost curve is cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """E(k) = 1 + a + ... + a^k. Example: a=0.5, k=2 -> 1.75."""
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    k_max: int = 16
+    fixed_k: Optional[int] = None     # set: always draft this many (no adaptation, no off-switch)
+    prior_acceptance: float = 0.6     # acceptance assumed before any evidence
+    prior_weight: float = 2.0         # how many observations the prior is worth
+    decay: float = 0.95               # per-observation forgetting: text changes character
+    min_gain: float = 1.02            # speculate only when the model promises at least this gain
+
+
+@dataclass
+class _Estimate:
+    hits: float
+    trials: float
+
+
+class DraftPolicy:
+    """Chooses k per step; learns acceptance per proposer source ("history", "document", "draft").
+
+    `cost[k]` is r(k), the measured verify cost of k drafts relative to a plain step (cost[0] = 1).
+    `draft_cost` is the proposer's cost per drafted token in target-step units (0 for n-gram).
+    """
+
+    def __init__(self, cost: Sequence[float], config: PolicyConfig = PolicyConfig(),
+                 draft_cost: float = 0.0):
+        self.cost = list(cost)
+        self.config = config
+        self.draft_cost = draft_cost
+        self._est: dict[str, _Estimate] = {}
+
+    def acceptance(self, source: str) -> float:
+        c = self.config
+        e = self._est.get(source)
+        hits = (e.hits if e else 0.0) + c.prior_acceptance * c.prior_weight
+        trials = (e.trials if e else 0.0) + c.prior_weight
+        return hits / trials
+
+    def speedup(self, source: str, k: int) -> float:
+        """Predicted speed of drafting k tokens relative to plain decoding."""
+        if k == 0:
+            return 1.0
+        return expected_tokens(self.acceptance(source), k) / (self.cost[k] + self.draft_cost * k)
+
+    def choose_k(self, source: str, available: Optional[int] = None) -> int:
+        """Best k for the next step; `available` caps it (e.g. the n-gram match's length)."""
+        c = self.config
+        limit = min(c.k_max, len(self.cost) - 1, c.k_max if available is None else available)
+        if c.fixed_k is not None:
+            return max(0, min(c.fixed_k, limit))
+        best_k, best = 0, c.min_gain
+        for k in range(1, limit + 1):
+            s = self.speedup(source, k)
+            if s > best:
+                best_k, best = k, s
+        return best_k
+
+    def observe(self, source: str, n_drafted: int, n_accepted: int) -> None:
+        """Record a verified step: the first n_accepted drafts passed, the next one (if any) failed."""
+        if n_drafted == 0:
+            return
+        e = self._est.setdefault(source, _Estimate(0.0, 0.0))
+        trials = n_accepted + (1 if n_accepted < n_drafted else 0)
+        e.hits = e.hits * self.config.decay ** trials + n_accepted
+        e.trials = e.trials * self.config.decay ** trials + trials
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """r(k) for k = 0..k_max, measured on one model + device + thread count."""
+
+    ratios: tuple
+    ms_per_step: float                # one-token decode, milliseconds
+    key: str = ""
+    notes: dict = field(default_factory=dict)

@@ -1,0 +1,100 @@
+"""Per-request statistics of a generation: what was drafted, accepted, and what it cost."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counters for one request (or, merged, for a session).
+
+    A *step* is one target decode after prefill. `emitted` counts tokens produced by steps
+    (accepted drafts + one recovered/bonus token each); the first token comes from prefill.
+    """
+
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0          # prompt tokens actually evaluated (the rest came from KV reuse)
+    generated_tokens: int = 0
+    steps: int = 0
+    spec_steps: int = 0              # steps that verified at least one draft
+    drafted: int = 0
+    accepted: int = 0
+    drafted_by_pos: list = field(default_factory=list)    # [i] drafts evaluated at position i
+    accepted_by_pos: list = field(default_factory=list)   # [i] of those, accepted
+    drafted_by_source: dict = field(default_factory=dict)
+    accepted_by_source: dict = field(default_factory=dict)
+    prefill_ms: float = 0.0
+    propose_ms: float = 0.0
+    verify_ms: float = 0.0           # target decodes of [last] + drafts
+    sample_ms: float = 0.0           # sampler chain and verification maths
+    total_ms: float = 0.0
+    stop_reason: str = ""            # eos | stop | length | cancelled
+
+    def record_step(self, source: str, n_drafted: int, n_accepted: int) -> None:
+        self.steps += 1
+        if n_drafted == 0:
+            return
+        self.spec_steps += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + n_drafted
+        self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + n_accepted
+        while len(self.drafted_by_pos) < n_drafted:
+            self.drafted_by_pos.append(0)
+            self.accepted_by_pos.append(0)
+        # Positions after the first rejection were drafted and verified too; only the
+        # leading n_accepted count as accepted.
+        for i in range(n_drafted):
+            self.drafted_by_pos[i] += 1
+            self.accepted_by_pos[i] += i < n_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens emitted per step, the recovered or bonus token included."""
+        return (self.generated_tokens - 1) / self.steps if self.steps else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_ms = self.total_ms - self.prefill_ms
+        return 1000.0 * self.generated_tokens / decode_ms if decode_ms > 0 else 0.0
+
+    def merge(self, other: "GenerationStats") -> None:
+        """Add another request's counters into this one (session totals)."""
+        for name in ("prompt_tokens", "prefill_tokens", "generated_tokens", "steps", "spec_steps",
+                     "drafted", "accepted", "prefill_ms", "propose_ms", "verify_ms", "sample_ms",
+                     "total_ms"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.drafted_by_pos, other.drafted_by_pos),
+                             (self.accepted_by_pos, other.accepted_by_pos)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+        for mine, theirs in ((self.drafted_by_source, other.drafted_by_source),
+                             (self.accepted_by_source, other.accepted_by_source)):
+            for key, v in theirs.items():
+                mine[key] = mine.get(key, 0) + v
+        self.stop_reason = other.stop_reason
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=round(self.acceptance_rate, 4),
+                 mean_accepted_len=round(self.mean_accepted_len, 3),
+                 decode_tokens_per_s=round(self.decode_tokens_per_s, 2))
+        return d
+
+    def summary(self) -> str:
+        """One line for humans (stderr)."""
+        by_src = ", ".join(f"{s} {self.accepted_by_source.get(s, 0)}/{n}"
+                           for s, n in sorted(self.drafted_by_source.items()))
+        return (f"{self.generated_tokens} tokens in {self.total_ms / 1000:.2f}s "
+                f"({self.decode_tokens_per_s:.1f} tok/s decode), prompt {self.prompt_tokens} "
+                f"({self.prefill_tokens} evaluated, {self.prefill_ms:.0f} ms); "
+                f"steps {self.steps} ({self.spec_steps} speculative), "
+                f"accepted {self.accepted}/{self.drafted} ({100 * self.acceptance_rate:.0f}%)"
+                + (f" [{by_src}]" if by_src else "")
+                + f", {self.mean_accepted_len:.2f} tokens/step; stop: {self.stop_reason}")
