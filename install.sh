@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sets up localspec in ./.venv (or $LOCALSPEC_VENV): builds llama-cpp-python for this host
+# (flags from localspec/buildflags.py: no AMX crash, CUDA/Metal when present), caches the built
+# wheel per flag set so a rerun takes seconds, then installs localspec with its test extras.
+# Usage: ./install.sh            Env: PYTHON, LOCALSPEC_VENV, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS,
+#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_HOME (cache location)
+set -euo pipefail
+cd "$(dirname "$0")"
+LLAMA_CPP_PYTHON=0.3.36          # keep in step with pyproject.toml
+PY=${PYTHON:-python3}
+VENV=${LOCALSPEC_VENV:-.venv}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+VPY="$VENV/bin/python"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+ARGS=$("$VPY" localspec/buildflags.py --explain)
+KEY=$("$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:12])' \
+      "$LLAMA_CPP_PYTHON $(uname -s) $(uname -m) $ARGS")
+HOME_DIR=${LOCALSPEC_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}
+WHEELS="$HOME_DIR/wheels/llama-cpp-python-$LLAMA_CPP_PYTHON-$KEY"
+
+if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
+  if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "Building llama-cpp-python $LLAMA_CPP_PYTHON (takes ~5 min on 2 cores) with: $ARGS" >&2
+    mkdir -p "$WHEELS.tmp"
+    CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
+      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+    rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
+  fi
+  "$VPY" -m pip install -q --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-*.whl
+  echo "$KEY" > "$VENV/.llama-build-key"
+fi
+"$VPY" -m pip install -q -e ".[test]"
+echo "localspec installed in $VENV (llama.cpp: $("$VPY" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode().strip())'))" >&2

@@ -1,0 +1,98 @@
+"""Chooses the CMake flags llama-cpp-python is built with, from what this host reports.
+
+Standard library only: install.sh runs it before anything else is installed.
+Why: a default (-march=native) build enables Intel AMX kernels that segfault on the first decode
+on Sapphire Rapids and newer (upstream llama.cpp issue 20824), and `-DGGML_AMX_*=OFF` alone does
+not help because -march=native turns AMX back on. So on x86 we build with GGML_NATIVE=OFF and
+name each instruction set the CPU has, AMX excluded; the repacked CPU kernels stay on.
+CUDA is enabled when nvcc and an NVIDIA GPU are both present, Metal on Apple Silicon.
+
+Overrides: LOCALSPEC_CMAKE_ARGS replaces the choice entirely; CMAKE_ARGS is appended (later -D
+flags win); LOCALSPEC_CUDA=1/0 forces CUDA on/off.
+Run `python localspec/buildflags.py --explain` to see the decision.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+# /proc/cpuinfo flag -> ggml CMake option
+X86_FEATURES = [
+    ("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"),
+    ("bmi2", "GGML_BMI2"), ("avx_vnni", "GGML_AVX_VNNI"), ("avx512f", "GGML_AVX512"),
+    ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+    ("avx512_bf16", "GGML_AVX512_BF16"),
+]
+AMX_OPTIONS = ["GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"]
+
+
+def cpu_flags(cpuinfo: str) -> set:
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def has_nvidia_gpu() -> bool:
+    return Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
+
+
+def choose(system: str, machine: str, cpuinfo: str, nvcc: bool, gpu: bool,
+           cuda_env: str = "") -> tuple:
+    """Return (cmake_args list, reasons list). Pure function of its inputs, for tests.
+
+    Example: Linux x86_64 with flags "avx avx2 fma f16c amx_tile", no GPU ->
+    GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C=ON, the other listed sets OFF, AMX_*=OFF.
+    """
+    args, why = [], []
+    if machine.lower() in ("x86_64", "amd64") and system != "Darwin":
+        flags = cpu_flags(cpuinfo)
+        args.append("-DGGML_NATIVE=OFF")
+        for flag, opt in X86_FEATURES:
+            args.append(f"-D{opt}={'ON' if flag in flags else 'OFF'}")
+        args += [f"-D{opt}=OFF" for opt in AMX_OPTIONS]
+        on = [flag for flag, _ in X86_FEATURES if flag in flags]
+        why.append(f"x86: portable build with this CPU's instruction sets ({' '.join(on) or 'none'})")
+        if any(f.startswith("amx") for f in flags):
+            why.append("CPU has AMX: AMX kernels left out (they crash on first decode, llama.cpp #20824)")
+    elif system == "Darwin" and machine == "arm64":
+        args.append("-DGGML_METAL=ON")
+        why.append("Apple Silicon: Metal offload")
+    else:
+        why.append(f"{system}/{machine}: llama.cpp's default native build")
+    want_cuda = {"1": True, "0": False}.get(cuda_env, nvcc and gpu)
+    if want_cuda:
+        args.append("-DGGML_CUDA=ON")
+        why.append("CUDA: nvcc and an NVIDIA GPU found" if not cuda_env else "CUDA forced by LOCALSPEC_CUDA")
+    elif nvcc and not gpu:
+        why.append("nvcc found but no NVIDIA GPU: CPU-only build (LOCALSPEC_CUDA=1 to force)")
+    return args, why
+
+
+def host_cmake_args() -> tuple:
+    override = os.environ.get("LOCALSPEC_CMAKE_ARGS")
+    if override is not None:
+        return override.split(), ["LOCALSPEC_CMAKE_ARGS given: used as is"]
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    nvcc = bool(shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists())
+    args, why = choose(platform.system(), platform.machine(), cpuinfo, nvcc, has_nvidia_gpu(),
+                       os.environ.get("LOCALSPEC_CUDA", ""))
+    extra = os.environ.get("CMAKE_ARGS", "").split()
+    if extra:
+        why.append(f"CMAKE_ARGS appended: {' '.join(extra)}")
+    return args + extra, why
+
+
+if __name__ == "__main__":
+    cmake_args, reasons = host_cmake_args()
+    if "--explain" in sys.argv:
+        for r in reasons:
+            print(f"- {r}", file=sys.stderr)
+    print(" ".join(cmake_args))
