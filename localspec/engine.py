@@ -68,6 +68,10 @@ class Generation:
             pass
         return self.text
 
+    def complete_tokens(self) -> list:
+        self.complete()
+        return list(self.tokens)
+
     @property
     def text(self) -> str:
         return self._texts.text

@@ -31,6 +31,10 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     if level != 5:
         _log_state["last_shown"] = level >= _log_state["min_level"]
     if _log_state.get("last_shown") and text:
+        captured = _log_state.get("captured")
+        if captured is not None:  # a load in progress: its errors become part of our message
+            captured.append(text.decode("utf-8", "replace"))
+            return
         sys.stderr.write(text.decode("utf-8", "replace"))
         sys.stderr.flush()
 
@@ -116,11 +120,17 @@ class Model:
                       "loading without repacked weights (slower). Reinstall with ./install.sh to fix.",
                       file=sys.stderr)
         mp.use_extra_bufts = extra
-        self._model = C.llama_model_load_from_file(str(self.path).encode(), mp)
+        _log_state["captured"] = []
+        try:
+            self._model = C.llama_model_load_from_file(str(self.path).encode(), mp)
+        finally:
+            captured = _log_state.pop("captured")
         if not self._model:
-            raise LocalspecError(
-                f"llama.cpp could not load {self.path} (truncated or corrupt GGUF, or an "
-                "architecture this llama.cpp does not know); re-pull it or check the file.")
+            reason = next((line.split("error loading model:")[-1].strip()
+                           for line in "".join(captured).splitlines()
+                           if "error loading model" in line), "truncated, corrupt or unsupported")
+            raise LocalspecError(f"llama.cpp could not load {self.path}: {reason}; re-pull the "
+                                 "model or check the file.")
         self._vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab: int = C.llama_vocab_n_tokens(self._vocab)
         self.bos: int = C.llama_vocab_bos(self._vocab)

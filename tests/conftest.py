@@ -1,0 +1,50 @@
+"""Shared fixtures: the tiny self-made GGUF (no download) and SmolLM2-135M from the catalog."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tinymodel import make_tiny_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tiny_dir):
+    """A 259-token byte-vocabulary llama model with moderately peaked distributions."""
+    return make_tiny_gguf(tiny_dir / "tiny-target.gguf", seed=0, logit_scale=3.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_path):
+    from localspec.llama import Model
+
+    with Model(tiny_path) as model:
+        yield model
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    """SmolLM2-135M-Instruct, pulled once through the catalog and cached in the user cache."""
+    from localspec.catalog import resolve_model
+    from localspec.errors import LocalspecError
+
+    try:
+        return resolve_model("smollm2-135m", progress=False)
+    except LocalspecError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"SmolLM2-135M not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path):
+    from localspec.llama import Model
+
+    with Model(smollm_path) as model:
+        yield model
