@@ -1,0 +1,124 @@
+"""Pure-Python parts: sampler chain, random stream, text streaming, draft policy, build flags."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from localspec.buildflags import choose
+from localspec.policy import DraftPolicy, PolicyConfig, expected_tokens
+from localspec.sampling import (Dist, PositionStream, SamplingParams, apply_penalty, draw,
+                                target_dist)
+from localspec.stats import GenerationStats
+from localspec.textstream import TextStream
+
+
+def test_chain_top_k_example():
+    logits = np.array([0.0, math.log(3), 0.0 - 5, -np.inf], dtype=np.float32)
+    d = target_dist(logits, SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0))
+    assert d.ids.tolist() == [0, 1]
+    np.testing.assert_allclose(d.probs, [0.25, 0.75], rtol=1e-6)
+
+
+def test_chain_top_p_min_p_and_temperature():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+    top_p = target_dist(logits, SamplingParams(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0))
+    assert top_p.ids.tolist() == [0, 1]            # 0.5 + 0.3 reaches 0.8
+    min_p = target_dist(logits, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2))
+    assert min_p.ids.tolist() == [0, 1, 2]         # 0.05 < 0.2 * 0.5
+    cold = target_dist(logits, SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0))
+    expected = np.array([0.5, 0.3, 0.15, 0.05]) ** 2
+    np.testing.assert_allclose(cold.probs, expected / expected.sum(), rtol=1e-5)
+
+
+def test_greedy_is_argmax_after_penalty():
+    logits = np.array([2.0, 1.5, -1.0], dtype=np.float32)
+    assert target_dist(logits, SamplingParams()).ids.tolist() == [0]
+    penalised = SamplingParams(repeat_penalty=2.0)
+    assert target_dist(logits, penalised, history=[0]).ids.tolist() == [1]
+
+
+def test_penalty_example():
+    out = apply_penalty(np.array([2.0, -1.0, 0.5], dtype=np.float32), [0, 1], 2.0)
+    assert out.tolist() == [1.0, -2.0, 0.5]
+
+
+def test_draw_example_and_stream_is_keyed_by_position():
+    d = Dist(np.array([3, 7], dtype=np.int32), np.array([0.25, 0.75]))
+    assert draw(d, 0.1) == 3 and draw(d, 0.5) == 7
+    s = PositionStream(42)
+    assert s.u(5, 0) == PositionStream(42).u(5, 0)          # no hidden call-order state
+    assert s.u(5, 0) != s.u(5, 1) != s.u(6, 0)
+    us = np.array([s.u(t) for t in range(20000)])
+    assert 0 <= us.min() and us.max() < 1 and abs(us.mean() - 0.5) < 0.01
+
+
+def test_textstream_never_splits_utf8_and_hides_stop_strings():
+    pieces = {1: "Hi ".encode(), 2: "é".encode()[:1], 3: "é".encode()[1:], 4: b"\n", 5: b"x"}
+    ts = TextStream(pieces.__getitem__, stops=["\n\n"])
+    assert ts.feed(1) == "Hi "
+    assert ts.feed(2) == ""              # half a character is held back
+    assert ts.feed(3) == "é"
+    assert ts.feed(4) == ""              # could be the start of the stop string
+    assert ts.feed(4) == "" and ts.stopped
+    assert ts.text == "Hi é"
+
+
+def test_textstream_releases_a_false_stop_prefix():
+    ts = TextStream({1: b"a\n", 2: b"b"}.__getitem__, stops=["\n\n"])
+    assert ts.feed(1) == "a"
+    assert ts.feed(2) == "\nb" and not ts.stopped
+    assert ts.finish() == ""
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == 4
+
+
+def test_policy_drafts_when_acceptance_is_high_and_switches_off_when_low():
+    cpu_curve = [1.0, 1.5, 1.8, 1.6, 2.4, 2.6, 2.5, 3.0, 3.0]   # shaped like DESIGN.md's CPU data
+    pol = DraftPolicy(cpu_curve, PolicyConfig(k_max=8))
+    for _ in range(30):
+        pol.observe("history", 4, 4)
+    assert pol.choose_k("history") >= 3
+    assert pol.choose_k("history", available=2) <= 2
+    for _ in range(60):
+        pol.observe("history", 3, 0)
+    assert pol.choose_k("history") == 0                      # the off-switch
+    assert pol.choose_k("document") > 0                      # sources are estimated apart
+
+
+def test_policy_fixed_k_and_gpu_like_curve():
+    assert DraftPolicy([1.0] * 17, PolicyConfig(fixed_k=5)).choose_k("x") == 5
+    flat = DraftPolicy([1.0] * 17, PolicyConfig(k_max=16))
+    assert flat.choose_k("x") == 16                           # drafting is free: draft a lot
+
+
+def test_stats_counts_positions_and_sources():
+    st = GenerationStats()
+    st.record_step("history", 3, 1)
+    st.record_step("document", 2, 2)
+    st.record_step("none", 0, 0)
+    assert (st.steps, st.spec_steps, st.drafted, st.accepted) == (3, 2, 5, 3)
+    assert st.drafted_by_pos == [2, 2, 1] and st.accepted_by_pos == [2, 1, 0]
+    assert st.accepted_by_source == {"history": 1, "document": 2}
+
+
+AMX_HOST = "flags : fpu avx avx2 fma f16c bmi2 avx512f avx512_vnni amx_tile amx_int8\n"
+
+
+def test_build_flags_avoid_amx_and_follow_cpu_features():
+    args, why = choose("Linux", "x86_64", AMX_HOST, nvcc=False, gpu=False)
+    assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AVX512=ON" in args
+    assert "-DGGML_AVX512_BF16=OFF" in args and "-DGGML_AMX_INT8=OFF" in args
+    assert not any("CUDA" in a for a in args) and any("AMX" in w for w in why)
+
+
+def test_build_flags_cuda_metal_and_overrides():
+    assert "-DGGML_CUDA=ON" in choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=True)[0]
+    assert "-DGGML_CUDA=ON" not in choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=False)[0]
+    assert "-DGGML_CUDA=ON" in choose("Linux", "x86_64", "", False, False, cuda_env="1")[0]
+    assert choose("Darwin", "arm64", "", False, False)[0] == ["-DGGML_METAL=ON"]
