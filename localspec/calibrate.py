@@ -27,7 +27,7 @@ def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
 
 
 def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
-    """Decode batches of 1..k_max+1 tokens after a short prefix and time them (median of reps).
+    """Decode batches of 1..k_max+1 tokens after a short prefix; keep the fastest of `reps` rounds.
 
     Leaves the context empty. Costs about reps * sum(r(k)) one-token decodes.
     """
@@ -36,16 +36,16 @@ def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
     prefix = [(7 * i + 3) % vocab for i in range(32)]
     ctx.decode(prefix, logits="none")
     base = ctx.n_past
-    times = []
-    for k in range(k_max + 1):
-        samples = []
-        for _ in range(reps + (1 if k == 0 else 0)):  # one extra warm-up at k=0
-            toks = [(11 * j + 5) % vocab for j in range(k + 1)]
+    batches = [[(11 * j + 5) % vocab for j in range(k + 1)] for k in range(k_max + 1)]
+    ctx.decode(batches[0], logits="all")          # warm-up
+    ctx.truncate(base)
+    times = [float("inf")] * (k_max + 1)
+    for _ in range(reps):  # rounds over every k, so drift on a shared machine hits all k alike
+        for k, toks in enumerate(batches):
             t = time.perf_counter()
             ctx.decode(toks, logits="all")
-            samples.append(time.perf_counter() - t)
+            times[k] = min(times[k], time.perf_counter() - t)  # noise only ever adds time
             ctx.truncate(base)
-        times.append(min(samples[-reps:]))  # noise from a shared machine only ever adds time
     ctx.clear()
     one = times[0]
     ratios = [max(1.0, t / one) for t in times]
@@ -58,13 +58,15 @@ def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
 
 
 def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
-                    progress=None) -> CostCurve:
-    """The cached curve for this model/device/threads, measuring it the first time."""
+                    progress=None, force: bool = False) -> CostCurve:
+    """The cached curve for this model/device/threads, measuring it the first time (or when
+    `force`: `localspec calibrate` re-measures on a quiet machine)."""
     key = curve_key(ctx, n_gpu_layers, k_max)
     path = localspec_home() / "calibration" / f"{key}.json"
     try:
-        data = json.loads(path.read_text())
-        return CostCurve(tuple(data["ratios"]), data["ms_per_step"], key)
+        if not force:
+            data = json.loads(path.read_text())
+            return CostCurve(tuple(data["ratios"]), data["ms_per_step"], key)
     except (OSError, ValueError, KeyError):
         pass
     if progress:
