@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
+from pathlib import Path
 
 import click
 
@@ -89,6 +91,12 @@ def calibrate(**kw):
 
 
 cli.add_command(models)
+# Front-end commands live in their own modules. TEMPORARY while they are being written in
+# parallel: a module that does not exist yet is skipped; replaced by plain imports once all land.
+for _module, _command in (("cli_chat", "chat"), ("serve", "serve"),
+                          ("cli_summarize", "summarize"), ("cli_bench", "bench")):
+    if (Path(__file__).parent / f"{_module}.py").exists():
+        cli.add_command(getattr(importlib.import_module(f".{_module}", __package__), _command))
 
 
 def main() -> None:
