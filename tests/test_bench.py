@@ -1,0 +1,220 @@
+"""`localspec bench`: workloads and prompt shape, modes, summary maths, and short real runs on the
+tiny self-made GGUF (n-gram modes token-identical to plain; tables on stdout, progress on stderr).
+No timing is asserted: a benchmark prints numbers, it does not test them."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from localspec.bench import (DEFAULT_WORKLOADS, Bench, BenchSettings, Case, Row, first_difference,
+                             geomean, load_workloads, parse_modes, read_source, summarize)
+from localspec.cli_bench import bench, format_rows, format_summary, main
+from localspec.errors import LocalspecError
+
+SMALL_WORKLOADS = [
+    {"id": "edit-indent", "kind": "code-edit", "source": {"python": "textwrap:indent"},
+     "instruction": "Add type hints. Output only the function.", "max_tokens": 20},
+    {"id": "sum-pass", "kind": "summarize", "source": {"pydoc_topic": "pass"},
+     "instruction": "Summarize in one sentence.", "max_tokens": 20},
+    {"id": "chat-hi", "kind": "chat", "source": None, "instruction": "Say hi.", "max_tokens": 20},
+]
+
+
+@pytest.fixture
+def small_workloads(tmp_path):
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in SMALL_WORKLOADS))
+    return path
+
+
+# -- workloads and prompts -------------------------------------------------------------------------
+def test_shipped_workloads_load_with_sources():
+    cases = load_workloads()
+    assert len(cases) == 20
+    kinds = [c.kind for c in cases]
+    assert [kinds.count(k) for k in ("code-edit", "summarize", "chat")] == [8, 6, 6]
+    assert len({c.id for c in cases}) == 20
+    for c in cases:
+        assert (c.document is None) == (c.kind == "chat")
+        assert c.max_tokens > 0
+
+
+def test_shipped_workloads_match_the_shared_copy():
+    shared = DEFAULT_WORKLOADS.parents[2].parent / "shared" / "workloads" / "workloads.jsonl"
+    if not shared.exists():
+        pytest.skip("no shared/ beside this checkout")
+    assert DEFAULT_WORKLOADS.read_text() == shared.read_text()
+
+
+def test_prompt_shapes_follow_the_workloads_readme():
+    src = read_source({"python": "textwrap:indent"})
+    assert src.startswith("def indent(")
+    edit = Case("e", "code-edit", "Add hints.", src, 10).user_message()
+    assert edit == f"Add hints.\n\n```python\n{src}```"
+    doc = read_source({"pydoc_topic": "pass"})
+    assert Case("s", "summarize", "Summarize.", doc, 10).user_message() == f"Summarize.\n\n{doc}"
+    assert Case("c", "chat", "Say hi.", None, 10).messages() == [{"role": "user",
+                                                                   "content": "Say hi."}]
+
+
+def test_load_workloads_filters_and_one_line_errors(small_workloads, tmp_path):
+    assert [c.id for c in load_workloads(small_workloads, kinds=["chat"])] == ["chat-hi"]
+    assert [c.id for c in load_workloads(small_workloads, ids=["sum-pass"])] == ["sum-pass"]
+    with pytest.raises(LocalspecError, match="no case called nope"):
+        load_workloads(small_workloads, ids=["nope"])
+    with pytest.raises(LocalspecError, match="cannot read workloads file"):
+        load_workloads(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x"}\n')
+    with pytest.raises(LocalspecError, match=r"bad.jsonl:1: not a workload case"):
+        load_workloads(bad)
+    with pytest.raises(LocalspecError, match="cannot read the source of textwrap:nothing"):
+        read_source({"python": "textwrap:nothing"})
+    with pytest.raises(LocalspecError, match="no pydoc topic"):
+        read_source({"pydoc_topic": "no-such-topic"})
+
+
+# -- modes and maths -------------------------------------------------------------------------------
+def test_parse_modes_puts_plain_first_and_reads_fixed_k():
+    modes = parse_modes("ngram,peer-k4,plain,ngram-k3,ngram")
+    assert [m.name for m in modes] == ["plain", "ngram", "peer-k4", "ngram-k3"]
+    assert [m.fixed_k for m in modes] == [None, None, 4, 3]
+    assert [m.is_peer for m in modes] == [False, False, True, False]
+    assert [m.proposer for m in modes] == ["none", "ngram", "ngram", "ngram"]
+    for bad in ("fast", "plain-k2", "ngram-kx", ""):
+        with pytest.raises(LocalspecError):
+            parse_modes(bad)
+
+
+def test_first_difference_and_geomean():
+    assert first_difference([1, 2, 3], [1, 5]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([1], [1]) is None
+    assert geomean([2.0, 0.5]) == pytest.approx(1.0)
+    assert geomean([None, 4.0]) == pytest.approx(4.0)
+    assert geomean([]) is None
+
+
+def _row(case, kind, mode, ratio, identical=True, vs_peer=None):
+    return Row(case, kind, mode, 10, 20, 5.0, 10.0 * (ratio or 1), ratio, vs_peer, None, None,
+               None if mode == "plain" else identical)
+
+
+def test_summarize_geomean_worst_case_and_identity():
+    rows = [_row("a", "chat", "plain", None), _row("a", "chat", "ngram", 2.0, vs_peer=1.0),
+            _row("b", "chat", "plain", None), _row("b", "chat", "ngram", 0.5, False, 4.0),
+            _row("c", "code-edit", "ngram", 3.0)]
+    by = {(s["kind"], s["mode"]): s for s in summarize(rows)}
+    chat = by[("chat", "ngram")]
+    assert chat["geomean_ratio"] == pytest.approx(1.0)
+    assert (chat["worst_ratio"], chat["worst_case"]) == (0.5, "b")
+    assert chat["geomean_vs_peer"] == pytest.approx(2.0)
+    assert (chat["identical"], chat["compared"]) == (1, 2)
+    assert by[("chat", "plain")]["identical"] is None
+    assert by[("all", "ngram")]["geomean_ratio"] == pytest.approx(3 ** (1 / 3), abs=1e-3)
+    assert [s["kind"] for s in summarize(rows)][:2] == ["code-edit", "chat"]
+    table = format_summary(summarize(rows))
+    assert "| chat" in table and "1/2" in table and "0.50 (b)" in table
+
+
+# -- real runs on the tiny model -------------------------------------------------------------------
+def test_bench_on_tiny_model_ngram_modes_match_plain(tiny_path, small_workloads):
+    cases = load_workloads(small_workloads)
+    lines = []
+    settings = BenchSettings(str(tiny_path), max_tokens=16, n_ctx=2048)
+    with Bench(parse_modes("plain,ngram,ngram-k3,peer"), settings, say=lines.append) as b:
+        rows = b.run(cases)
+    assert [(r.case, r.mode) for r in rows] == [(c.id, m) for c in cases
+                                                for m in ("plain", "ngram", "ngram-k3", "peer")]
+    for r in rows:
+        assert r.generated_tokens > 0 and r.ttft_ms > 0
+        assert r.prompt_tokens == rows[0].prompt_tokens or r.case != rows[0].case
+        if r.mode.startswith("ngram"):
+            assert r.identical is True, (r.case, r.mode)   # greedy: token for token
+            assert r.ratio is not None and r.mean_accepted_len >= 1.0
+            assert r.stats["prefill_tokens"] == r.prompt_tokens   # every request starts cold
+        if r.mode == "plain":
+            assert r.identical is None and r.ratio is None
+    # the peer's text on a random byte model is not valid UTF-8, so no identity claim here
+    assert any("[3/3] chat-hi" in s for s in lines) and any("warm-up: peer" in s for s in lines)
+    assert "| edit-indent | code-edit | ngram-k3" in format_rows(rows)
+
+
+def test_cli_tables_on_stdout_progress_on_stderr(tiny_path, small_workloads, tmp_path):
+    out_json = tmp_path / "bench.json"
+    result = CliRunner().invoke(bench, [
+        "--workloads", str(small_workloads), "-m", str(tiny_path), "--modes", "plain,ngram",
+        "--kinds", "chat,summarize", "-n", "8", "--ctx", "2048", "--no-warmup",
+        "--json", str(out_json)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("| case ")
+    assert "| sum-pass " in result.stdout and "| all " in result.stdout
+    assert "edit-indent" not in result.stdout
+    assert "[1/2] sum-pass" in result.stderr and "[1/2]" not in result.stdout
+    data = json.loads(out_json.read_text())
+    assert {r["mode"] for r in data["rows"]} == {"plain", "ngram"}
+    assert all(r["identical"] for r in data["rows"] if r["mode"] == "ngram")
+    assert data["meta"]["sampling"]["temperature"] == 0.0
+    assert data["meta"]["threads"] >= 1 and data["summary"]
+
+
+def test_cli_sampled_run_is_seeded_equal(tiny_path, small_workloads):
+    result = CliRunner().invoke(bench, [
+        "--workloads", str(small_workloads), "-m", str(tiny_path), "--modes", "plain,ngram-k2",
+        "--cases", "chat-hi", "-n", "12", "--ctx", "2048", "--no-warmup", "-t", "0.8",
+        "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    assert "| chat-hi | chat | ngram-k2 |" in result.stdout.replace("  ", " ").replace("  ", " ")
+    row = [l for l in result.stdout.splitlines() if "ngram-k2" in l][0]
+    assert "| yes" in row
+
+
+def test_plot_without_matplotlib_is_one_line_error(monkeypatch, capsys, small_workloads):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as exc:
+        main(["--workloads", str(small_workloads), "--plot", "out.png"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --plot needs matplotlib") and err.count("\n") == 1
+
+
+def test_unknown_mode_and_kind_are_one_line_errors(capsys, small_workloads):
+    with pytest.raises(SystemExit):
+        main(["--workloads", str(small_workloads), "--modes", "plain,fast"])
+    assert capsys.readouterr().err.startswith("error: unknown mode 'fast'")
+    with pytest.raises(SystemExit):
+        main(["--workloads", str(small_workloads), "--kinds", "poetry"])
+    assert "unknown kind 'poetry'" in capsys.readouterr().err
+
+
+@pytest.mark.smollm
+def test_peer_on_smollm_counts_tokens_and_compares_text(smollm_path, small_workloads):
+    """On a real model the peer's text is comparable with plain's (greedy)."""
+    settings = BenchSettings(str(smollm_path), max_tokens=24, n_ctx=2048, warmup=False)
+    with Bench(parse_modes("plain,ngram,peer"), settings) as b:
+        rows = b.run(load_workloads(small_workloads, ids=["chat-hi", "edit-indent"]))
+    for r in rows:
+        if r.mode == "ngram":
+            assert r.identical is True
+        if r.mode == "peer":
+            assert r.identical is not None and 0 < r.generated_tokens <= 24
+            if r.identical:
+                plain = next(p for p in rows if p.case == r.case and p.mode == "plain")
+                assert r.generated_tokens == plain.generated_tokens
+            else:
+                assert r.diverge_at is not None
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from localspec.cli_bench import plot_ratios
+
+    rows = [_row("a", "chat", "plain", None), _row("a", "chat", "ngram", 1.5),
+            _row("a", "chat", "peer", 0.6), _row("b", "code-edit", "ngram", 2.5)]
+    out = tmp_path / "ratios.png"
+    plot_ratios(rows, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
