@@ -90,6 +90,29 @@ def calibrate(**kw):
     click.echo("r(k): " + " ".join(f"{r:5.2f}" for r in curve.ratios))
 
 
+@cli.command()
+@click.argument("target", default="default")
+@click.argument("draft", required=False)
+def doctor(target, draft):
+    """Check this machine's llama.cpp build and, given DRAFT, whether it can draft for TARGET.
+
+    Compares tokenizer type, vocabulary size, BOS/EOS and the text of every shared token id, and
+    prints CPU features, GPU offload and whether the AMX workaround is in effect. Exits 1 when
+    the pair is incompatible.
+
+    \b
+    Examples:
+      localspec doctor                                   # device report + default model
+      localspec doctor default default-draft             # the catalog's default pair
+    """
+    from .doctor import report
+
+    lines, ok = report(target, draft)
+    click.echo("\n".join(lines))
+    if not ok:
+        sys.exit(1)
+
+
 cli.add_command(models)
 # Front-end commands live in their own modules. TEMPORARY while they are being written in
 # parallel: a module that does not exist yet is skipped; replaced by plain imports once all land.

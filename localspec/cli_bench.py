@@ -238,7 +238,7 @@ def _meta(b: Bench, settings: BenchSettings, started) -> dict:
     except Exception:   # the record must not lose the results
         curve = None
     return {
-        "command": " ".join(["localspec", "bench", *sys.argv[1:]]),
+        "command": " ".join(["localspec", "bench", *sys.argv[1 + (sys.argv[1:2] == ["bench"]):]]),
         "started_utc": started.isoformat(timespec="seconds"),
         "localspec": __version__,
         "model": str(b.model_path), "model_desc": b.model.describe(),

@@ -21,10 +21,16 @@ def model_options(default_proposer: str = "ngram"):
                          envvar="LOCALSPEC_MODEL",
                          help="Catalog name (see `localspec models list`) or path to a .gguf "
                               "file. Env: LOCALSPEC_MODEL."),
-            click.option("--proposer", type=click.Choice(["ngram", "none"]),
+            click.option("--proposer", type=click.Choice(["ngram", "draft", "hybrid", "none"]),
                          default=default_proposer, show_default=True,
                          help="Where draft tokens come from: ngram = prompt lookup (free, wins "
-                              "when the output repeats the input); none = plain decoding."),
+                              "when the output repeats the input); draft = the --draft model; "
+                              "hybrid = ngram, then the draft model where lookup finds nothing; "
+                              "none = plain decoding."),
+            click.option("--draft", default=None, envvar="LOCALSPEC_DRAFT",
+                         help="Draft model for --proposer draft/hybrid: catalog name (e.g. "
+                              "default-draft) or .gguf path; must share the target's tokenizer. "
+                              "Env: LOCALSPEC_DRAFT."),
             click.option("--k", "fixed_k", type=click.IntRange(0, 32), default=None,
                          help="Draft exactly this many tokens per step (default: adaptive, "
                               "from the measured cost curve and running acceptance)."),
@@ -74,7 +80,14 @@ def build_sampling(kw: dict) -> SamplingParams:
 
 
 def open_engine(kw: dict) -> Engine:
-    config = EngineConfig(proposer=kw["proposer"], n_ctx=kw["n_ctx"], n_threads=kw["threads"],
+    proposer = kw["proposer"]
+    ctx = click.get_current_context(silent=True)
+    chosen = ctx is not None and ctx.get_parameter_source("proposer") not in (
+        None, click.core.ParameterSource.DEFAULT)
+    if kw.get("draft") and not chosen:
+        proposer = "hybrid"   # --draft without --proposer means: use the draft model too
+    config = EngineConfig(proposer=proposer, draft=kw.get("draft"), n_ctx=kw["n_ctx"],
+                          n_threads=kw["threads"],
                           n_gpu_layers=kw["gpu_layers"],
                           policy=PolicyConfig(fixed_k=kw["fixed_k"]))
     return Engine(kw["model"], config, progress=lambda msg: click.echo(msg, err=True))

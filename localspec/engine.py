@@ -19,7 +19,8 @@ from .catalog import resolve_model
 from .errors import LocalspecError
 from .llama import Context, ContextParams, Model, ModelParams
 from .policy import DraftPolicy, PolicyConfig
-from .proposers import EMPTY, NgramProposer
+from .compat import check_pair
+from .proposers import EMPTY, DraftProposer, HybridProposer, NgramProposer
 from .sampling import PositionStream, SamplingParams, draw, target_dist
 from .stats import GenerationStats
 from .textstream import TextStream
@@ -30,9 +31,16 @@ Prompt = Union[str, Sequence[dict]]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings with defaults for a laptop CPU. proposer: "ngram" or "none" (plain)."""
+    """Engine settings with defaults for a laptop CPU.
+
+    proposer: "ngram" (prompt lookup), "draft" (the `draft` model), "hybrid" (n-gram, then the
+    draft model where lookup finds nothing) or "none" (plain decoding).
+    """
 
     proposer: str = "ngram"
+    draft: Optional[str] = None           # catalog name or path of the draft model
+    draft_gpu_layers: Optional[int] = None  # None: same as n_gpu_layers
+    draft_min_confidence: float = 0.0
     n_ctx: int = 4096
     n_batch: int = 512
     n_threads: Optional[int] = None
@@ -101,10 +109,13 @@ class Engine:
         except Exception:
             self._close_model()
             raise
-        if config.proposer not in ("ngram", "none"):
-            raise LocalspecError(f"unknown proposer {config.proposer!r}; use ngram or none.")
-        self.proposer = NgramProposer(config.ngram_min, config.ngram_max) \
-            if config.proposer == "ngram" else None
+        self.draft_model: Optional[Model] = None
+        self._draft_cost = 0.0
+        try:
+            self.proposer = self._make_proposer(config)
+        except Exception:
+            self.close()
+            raise
         self._cost = None
         self._kv_tokens: list = []       # tokens whose KV rows are in ctx, positions 0..n_past-1
         self._can_rollback = True
@@ -129,20 +140,23 @@ class Engine:
                 f"raise --ctx (the model was trained on {self.model.n_ctx_train}) or shorten it.")
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         use_spec = speculate and self.proposer is not None and self._can_rollback
-        req = _Request(sampling, PositionStream(seed),
-                       DraftPolicy(self._cost_curve(), self.config.policy) if use_spec else None,
-                       list(prompt_tokens))
+        policy = DraftPolicy(self._cost_curve(), self.config.policy, self._draft_cost) \
+            if use_spec else None
+        req = _Request(sampling, PositionStream(seed), policy, list(prompt_tokens))
         if use_spec:
             doc = self.model.tokenize(document, add_special=False) if document else None
-            self.proposer.begin(prompt_tokens, doc)
+            self.proposer.begin(prompt_tokens, doc, sampling, seed)
         texts = TextStream(self.model.token_piece, stop)
         return Generation(self._run(req, texts, max_tokens, cancel), req, texts)
 
     def close(self) -> None:
-        if self.proposer is not None:
+        if getattr(self, "proposer", None) is not None:
             self.proposer.close()
             self.proposer = None
         self.ctx.close()
+        if self.draft_model is not None:
+            self.draft_model.close()
+            self.draft_model = None
         self._close_model()
 
     def __enter__(self) -> "Engine":
@@ -180,6 +194,8 @@ class Engine:
                         break
                 if st.stop_reason:
                     break
+                if req.policy is not None:
+                    self.proposer.accept(emitted)
                 if cancel is not None and cancel.is_set():
                     st.stop_reason = "cancelled"
                     break
@@ -187,8 +203,6 @@ class Engine:
                     st.stop_reason = "context"
                     break
                 emitted = self._step(req)
-                if self.proposer is not None and req.policy is not None:
-                    self.proposer.accept(emitted)
             tail = texts.finish()
             if tail:
                 yield tail
@@ -211,13 +225,10 @@ class Engine:
         """
         clock = time.perf_counter
         t0 = clock()
-        proposal, k = EMPTY, 0
         room = self.ctx.n_ctx - self.ctx.n_past - 1
-        if req.policy is not None and room > 0:
-            proposal = self.proposer.propose(min(self.config.policy.k_max, room))
-            k = req.policy.choose_k(proposal.source, available=len(proposal.tokens))
-        drafts = proposal.tokens[:k]
-        p_draft = proposal.p_draft[:k] if proposal.p_draft is not None else None
+        proposal = self.proposer.propose(req.policy, room) \
+            if req.policy is not None and room > 0 else EMPTY
+        drafts, p_draft, k = proposal.tokens, proposal.p_draft, len(proposal.tokens)
         n_past = self.ctx.n_past
         t1 = clock()
         rows = self.ctx.decode([req.history[-1], *drafts], logits="all")  # [k + 1, n_vocab] f32
@@ -230,9 +241,9 @@ class Engine:
         # Keep [last] + accepted drafts; the recovered/bonus token is not in KV yet.
         if not self.ctx.truncate(n_past + 1 + verdict.n_accepted):
             self._rollback_refused(req, emitted)
-        if k == 0 and proposal.tokens:
-            # Plain step with a proposal at hand: learn its acceptance for free.
-            req.policy.observe(proposal.source, 1, int(proposal.tokens[0] == emitted[0]))
+        if k == 0 and proposal.shadow is not None:
+            # Plain step with a guess at hand: learn its acceptance for free.
+            req.policy.observe(proposal.source, 1, int(proposal.shadow == emitted[0]))
         elif req.policy is not None:
             req.policy.observe(proposal.source, k, verdict.n_accepted)
         st = req.stats
@@ -271,12 +282,52 @@ class Engine:
         keep = req.history + emitted[:-1]
         self.ctx.decode(keep, logits="none")
 
+    def _make_proposer(self, config: EngineConfig):
+        """Build the configured proposer; load and check the draft model when one is needed."""
+        if config.proposer not in ("ngram", "draft", "hybrid", "none"):
+            raise LocalspecError(f"unknown proposer {config.proposer!r}; "
+                                 "use ngram, draft, hybrid or none.")
+        if config.proposer == "none":
+            return None
+        ngram = NgramProposer(config.ngram_min, config.ngram_max)
+        if config.proposer == "ngram":
+            return ngram
+        if not config.draft:
+            ngram.close()
+            raise LocalspecError(f"--proposer {config.proposer} needs a draft model: "
+                                 "pass --draft MODEL (e.g. --draft default-draft).")
+        layers = config.n_gpu_layers if config.draft_gpu_layers is None else config.draft_gpu_layers
+        try:
+            self.draft_model = Model(resolve_model(config.draft), ModelParams(n_gpu_layers=layers))
+            report = check_pair(self.model, self.draft_model)
+            if not report.ok:
+                raise LocalspecError(
+                    f"draft model {self.draft_model.path.name} cannot draft for "
+                    f"{self.model.path.name}: {report.problems[0]}; use a draft of the same "
+                    f"model family (same tokenizer), or see `localspec doctor`.")
+            draft = DraftProposer(self.draft_model, ContextParams(
+                config.n_ctx, config.n_batch, config.n_threads), self.model.n_vocab,
+                config.draft_min_confidence)
+        except Exception:
+            ngram.close()
+            raise
+        if config.proposer == "draft":
+            ngram.close()
+            return draft
+        return HybridProposer(ngram, draft)
+
     def _cost_curve(self):
         if self._cost is None:
             curve = load_or_measure(self.ctx, self.config.n_gpu_layers, self.config.policy.k_max,
                                     progress=self._progress)
             self._cost = curve.ratios
             self._kv_tokens = []          # calibration used the context
+            if self.draft_model is not None:   # drafting one token, in target-step units
+                draft_ctx = self.proposer.draft.ctx if isinstance(self.proposer, HybridProposer) \
+                    else self.proposer.ctx
+                draft_curve = load_or_measure(draft_ctx, self.config.n_gpu_layers, 1,
+                                              progress=self._progress)
+                self._draft_cost = draft_curve.ms_per_step / curve.ms_per_step
         return self._cost
 
     def _close_model(self) -> None:

@@ -29,6 +29,7 @@ class PolicyConfig:
     prior_weight: float = 2.0         # how many observations the prior is worth
     decay: float = 0.95               # per-observation forgetting: text changes character
     min_gain: float = 1.02            # speculate only when the model promises at least this gain
+    probe_every: int = 32             # costly proposers that are off still try k=1 this often
 
 
 @dataclass
@@ -41,7 +42,8 @@ class DraftPolicy:
     """Chooses k per step; learns acceptance per proposer source ("history", "document", "draft").
 
     `cost[k]` is r(k), the measured verify cost of k drafts relative to a plain step (cost[0] = 1).
-    `draft_cost` is the proposer's cost per drafted token in target-step units (0 for n-gram).
+    `draft_cost` is the draft model's cost per drafted token in target-step units; it applies to
+    the "draft" source only (n-gram lookup is free).
     """
 
     def __init__(self, cost: Sequence[float], config: PolicyConfig = PolicyConfig(),
@@ -50,6 +52,7 @@ class DraftPolicy:
         self.config = config
         self.draft_cost = draft_cost
         self._est: dict[str, _Estimate] = {}
+        self._idle: dict[str, int] = {}
 
     def acceptance(self, source: str) -> float:
         c = self.config
@@ -62,10 +65,15 @@ class DraftPolicy:
         """Predicted speed of drafting k tokens relative to plain decoding."""
         if k == 0:
             return 1.0
-        return expected_tokens(self.acceptance(source), k) / (self.cost[k] + self.draft_cost * k)
+        extra = self.draft_cost * k if source == "draft" else 0.0
+        return expected_tokens(self.acceptance(source), k) / (self.cost[k] + extra)
 
-    def choose_k(self, source: str, available: Optional[int] = None) -> int:
-        """Best k for the next step; `available` caps it (e.g. the n-gram match's length)."""
+    def choose_k(self, source: str, available: Optional[int] = None, probe: bool = False) -> int:
+        """Best k for the next step; `available` caps it (e.g. the n-gram match's length).
+
+        probe: the caller cannot learn acceptance while off (a draft model costs time to ask),
+        so every `probe_every`-th idle step drafts one token anyway. Deterministic: it depends
+        on the step count, not on timing."""
         c = self.config
         limit = min(c.k_max, len(self.cost) - 1, c.k_max if available is None else available)
         if c.fixed_k is not None:
@@ -75,6 +83,10 @@ class DraftPolicy:
             s = self.speedup(source, k)
             if s > best:
                 best_k, best = k, s
+        if best_k == 0 and probe and limit > 0 and c.probe_every:
+            self._idle[source] = self._idle.get(source, 0) + 1
+            if self._idle[source] % c.probe_every == 0:
+                return 1
         return best_k
 
     def observe(self, source: str, n_drafted: int, n_accepted: int) -> None:

@@ -1,9 +1,12 @@
 """Proposers: where draft tokens come from. Each has the same small lifecycle:
 
-    begin(history)          the prompt tokens (and, for n-gram, an optional lookup document)
-    propose(k) -> Proposal  up to k draft tokens, with p_draft (None for point-mass drafts)
-    accept(tokens)          the tokens the verifier emitted this step, in order
+    begin(history, document, sampling, seed)   the prompt tokens and request settings
+    propose(policy, room) -> Proposal          draft tokens; the proposer asks the policy for k
+    accept(tokens)                             the tokens the verifier emitted this step
     close()
+
+A cheap proposer (n-gram) looks first and asks the policy how many of its tokens to use; a costly
+one (draft model) asks the policy for k first and only then spends time drafting.
 """
 
 from __future__ import annotations
@@ -11,15 +14,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
+
+from .llama import Context, ContextParams, Model
 from .ngram import SOURCE_DOCUMENT, NgramIndex
-from .sampling import Dist
+from .policy import DraftPolicy
+from .sampling import SamplingParams, draw, target_dist
 
 
 @dataclass(frozen=True)
 class Proposal:
-    tokens: list                      # [n] draft token ids, n <= k
-    p_draft: Optional[list]           # [n] Dist, or None: point masses (n-gram, greedy drafts)
+    tokens: list                      # [k] draft token ids
+    p_draft: Optional[list]           # [k] Dist, or None: point masses (n-gram, greedy drafts)
     source: str                       # "history" | "document" | "draft"
+    shadow: Optional[int] = None      # k == 0 but a guess exists: the policy may learn from it
 
 
 EMPTY = Proposal([], None, "none")
@@ -31,26 +39,126 @@ class NgramProposer:
 
     name = "ngram"
 
-    def __init__(self, ngram_min: int = 1, ngram_max: int = 4, min_match: int = 1):
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
         self._index = NgramIndex(ngram_min=ngram_min, ngram_max=ngram_max)
-        self.min_match = min_match
 
-    def begin(self, history: Sequence[int], document: Optional[Sequence[int]] = None) -> None:
+    def begin(self, history: Sequence[int], document: Optional[Sequence[int]] = None,
+              sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
         self._index.truncate(0)
         self._index.append(list(history))
         self._index.set_document(list(document) if document else None)
 
-    def propose(self, k: int) -> Proposal:
-        if k <= 0:
-            return EMPTY
-        m = self._index.propose(k)
-        if len(m.tokens) == 0 or m.ngram_len < self.min_match:
+    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
+        m = self._index.propose(min(policy.config.k_max, room))
+        if len(m.tokens) == 0:
             return EMPTY
         source = "document" if m.source == SOURCE_DOCUMENT else "history"
-        return Proposal([int(t) for t in m.tokens], None, source)
+        k = policy.choose_k(source, available=len(m.tokens))
+        if k == 0:
+            return Proposal([], None, source, shadow=int(m.tokens[0]))
+        return Proposal([int(t) for t in m.tokens[:k]], None, source)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self._index.append(list(tokens))
 
     def close(self) -> None:
         self._index.close()
+
+
+class DraftProposer:
+    """A smaller model of the same family drafts autoregressively in its own context.
+
+    Its KV is kept in step with the target by common prefix: before drafting, rows past the
+    accepted history are dropped and only the tokens it has not seen (the recovered/bonus token,
+    at most one more) are decoded — never a re-prefill of the whole history.
+    """
+
+    name = "draft"
+
+    def __init__(self, model: Model, params: ContextParams, n_vocab_target: int,
+                 min_confidence: float = 0.0):
+        self.model = model
+        self.ctx = Context(model, params)
+        # Draft ids the target does not have are never proposed: logits are cut to shared ids.
+        self.n_shared = min(n_vocab_target, model.n_vocab)
+        self.min_confidence = min_confidence      # stop drafting when p_draft(x) falls below
+        self._history: list = []
+        self._kv: list = []                       # tokens whose rows are in self.ctx
+        self._sampling = SamplingParams()
+        self._rng = np.random.default_rng(0)
+
+    def begin(self, history: Sequence[int], document=None,
+              sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
+        self._history = list(history)
+        self._sampling = sampling or SamplingParams()
+        self._rng = np.random.default_rng(seed ^ 0x5EED)   # independent of the target's stream
+
+    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
+        k = policy.choose_k("draft", available=min(room, self.ctx.n_ctx - len(self._history)),
+                            probe=True)
+        if k <= 0:
+            return EMPTY
+        row = self._sync()
+        tokens, dists = [], []
+        for i in range(k):
+            dist = target_dist(row[: self.n_shared], self._sampling, self._history + tokens)
+            x = int(dist.ids[0]) if self._sampling.greedy else draw(dist, self._rng.random())
+            tokens.append(x)
+            dists.append(dist)
+            if i == k - 1 or (self.min_confidence and dist.prob(x) < self.min_confidence):
+                break
+            row = self.ctx.decode([x], logits="last")[0]
+            self._kv.append(x)
+        return Proposal(tokens, None if self._sampling.greedy else dists, "draft")
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self._history.extend(tokens)
+
+    def _sync(self):
+        """Make the draft KV hold exactly the history; return the logits row after it."""
+        if self.ctx.n_past != len(self._kv):      # someone else used the context (calibration)
+            self.ctx.clear()
+            self._kv = []
+        common = 0
+        for a, b in zip(self._kv, self._history):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(self._history) - 1)
+        if not self.ctx.truncate(common):
+            self.ctx.clear()
+            common = 0
+        row = self.ctx.decode(self._history[common:], logits="last")[0]
+        self._kv = list(self._history)
+        return row
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+class HybridProposer:
+    """n-gram first; where it has no usable match, the draft model proposes."""
+
+    name = "hybrid"
+
+    def __init__(self, ngram: NgramProposer, draft: DraftProposer):
+        self.ngram, self.draft = ngram, draft
+
+    def begin(self, history, document=None, sampling=None, seed: int = 0) -> None:
+        self.ngram.begin(history, document, sampling, seed)
+        self.draft.begin(history, document, sampling, seed)
+
+    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
+        p = self.ngram.propose(policy, room)
+        if p.tokens:
+            return p
+        d = self.draft.propose(policy, room)
+        return d if d.tokens else p
+
+    def accept(self, tokens) -> None:
+        self.ngram.accept(tokens)
+        self.draft.accept(tokens)
+
+    def close(self) -> None:
+        self.ngram.close()
+        self.draft.close()

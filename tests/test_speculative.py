@@ -29,8 +29,9 @@ PROMPTS = REPEATING + NON_REPEATING
 TIE_GAP = 0.5   # logits; a divergence at a larger top-2 gap than this fails the test
 
 
-def engine(model, proposer="ngram", fixed_k=None, n_ctx=1024):
+def engine(model, proposer="ngram", fixed_k=None, n_ctx=1024, draft=None):
     return Engine(model, EngineConfig(proposer=proposer, n_ctx=n_ctx, n_threads=1,
+                                      draft=str(draft) if draft else None,
                                       policy=PolicyConfig(fixed_k=fixed_k)))
 
 
@@ -49,12 +50,13 @@ def top2_gap(model, tokens):
         return float(top[1] - top[0])
 
 
-def assert_greedy_lossless(model, prompts, max_tokens, fixed_k):
+def assert_greedy_lossless(model, prompts, max_tokens, fixed_k, proposer="ngram", draft=None):
     """Speculative greedy == plain greedy, token for token. Where they differ, the evidence must
     show a near-tie that batched logits flipped (llama.cpp picks kernels by batch size), never
     a gross difference that would point to an algorithmic bug."""
     diverged = []
-    with engine(model, "none") as plain, engine(model, "ngram", fixed_k=fixed_k) as spec:
+    with engine(model, "none") as plain, \
+            engine(model, proposer, fixed_k=fixed_k, draft=draft) as spec:
         for prompt in prompts:
             ref = plain.generate(prompt, max_tokens=max_tokens).complete_tokens()
             gen = spec.generate(prompt, max_tokens=max_tokens)
@@ -188,7 +190,7 @@ def chi_square_p(counts: dict, probs: dict, n: int) -> float:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("proposer", ["ngram", "table"])
+@pytest.mark.parametrize("proposer", ["ngram", "table", "draft"])
 def test_sampled_distribution_matches_plain_sampling(tiny_dir, temperature, proposer):
     """10,000 speculative samples of the first 3 tokens follow the exact plain-sampling law."""
     from tinymodel import make_tiny_gguf
@@ -197,7 +199,10 @@ def test_sampled_distribution_matches_plain_sampling(tiny_dir, temperature, prop
     path = make_tiny_gguf(tiny_dir / "tiny-peaked.gguf", seed=3, logit_scale=5.0)
     sampling = dict(temperature=temperature, top_k=4, top_p=0.9, min_p=0.0)
     n = 10_000
-    with Model(path) as model, engine(model, "ngram", fixed_k=3, n_ctx=256) as spec:
+    draft = make_tiny_gguf(tiny_dir / "tiny-peaked-draft.gguf", seed=3, logit_scale=5.0,
+                           noise=0.3) if proposer == "draft" else None
+    with Model(path) as model, engine(model, "draft" if draft else "ngram", fixed_k=3,
+                                      n_ctx=256, draft=draft) as spec:
         prompt = "abababababab"
         prompt_tokens = spec.tokenize_prompt(prompt)
         probs = exact_sequence_probs(model, prompt_tokens, SamplingParams(**sampling))
@@ -212,4 +217,70 @@ def test_sampled_distribution_matches_plain_sampling(tiny_dir, temperature, prop
             counts[seq] = counts.get(seq, 0) + 1
             drafted += gen.stats.drafted
     assert drafted > n  # speculation really ran
+    if proposer == "draft":
+        assert gen.stats.drafted_by_source.keys() <= {"draft"}
     assert chi_square_p(counts, probs, n) > 1e-3
+
+
+# --- draft model and hybrid proposers --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_drafts(tiny_dir):
+    """Drafts for the tiny target (seed 0, logit_scale 3): a noisy copy that agrees often, and
+    an unrelated model that almost never agrees (residual sampling on nearly every step)."""
+    from tinymodel import make_tiny_gguf
+
+    return {"noisy": make_tiny_gguf(tiny_dir / "draft-noisy.gguf", seed=0, logit_scale=3.0,
+                                    noise=0.2),
+            "unrelated": make_tiny_gguf(tiny_dir / "draft-unrelated.gguf", seed=1,
+                                        logit_scale=3.0)}
+
+
+@pytest.mark.parametrize("which", ["noisy", "unrelated"])
+def test_greedy_with_tiny_draft_models_equals_plain(tiny_model, tiny_drafts, which):
+    diverged = assert_greedy_lossless(tiny_model, PROMPTS, max_tokens=32, fixed_k=4,
+                                      proposer="draft", draft=tiny_drafts[which])
+    assert len(diverged) <= 2, diverged
+
+
+@pytest.mark.smollm
+def test_greedy_with_smollm_drafting_for_itself(smollm, smollm_path):
+    chats = [[{"role": "user", "content": f"Repeat exactly: {p}"}] for p in PROMPTS]
+    assert_greedy_lossless(smollm, chats, max_tokens=24, fixed_k=4, proposer="draft",
+                           draft=smollm_path)
+    drafted = accepted = 0
+    with engine(smollm, "draft", fixed_k=4, draft=smollm_path) as spec:
+        for chat in chats[::4]:
+            gen = spec.generate(chat, max_tokens=24)
+            gen.complete()
+            drafted, accepted = drafted + gen.stats.drafted, accepted + gen.stats.accepted
+    # A model agrees with itself except at near-ties that batch shape flips, and except drafts
+    # past the last token (the final step drafts k whatever max_tokens leaves).
+    print(f"\nSmolLM2 self-draft acceptance: {accepted}/{drafted}")
+    assert accepted / drafted > 0.7
+
+
+def test_hybrid_keeps_sources_apart(tiny_model, tiny_drafts):
+    with engine(tiny_model, "hybrid", fixed_k=3, draft=tiny_drafts["noisy"]) as spec:
+        gen = spec.generate("abcabcabc, then something new: qzx", max_tokens=40)
+        gen.complete()
+    by_source = gen.stats.drafted_by_source
+    assert "draft" in by_source and ({"history", "document"} & by_source.keys())
+    assert sum(by_source.values()) == gen.stats.drafted
+
+
+def test_policy_turns_a_draft_as_slow_as_the_target_off(smollm, smollm_path):
+    """SmolLM drafting for itself costs a full target step per token: never worth it, so the
+    adaptive policy only probes now and then."""
+    with engine(smollm, "draft", fixed_k=None, draft=smollm_path) as spec:
+        gen = spec.generate("Count: 1 2 3 4 5 6 7 8 9", max_tokens=64)
+        gen.complete()
+    st = gen.stats
+    assert st.spec_steps <= st.steps // PolicyConfig().probe_every + 1
+
+
+def test_incompatible_draft_is_a_clear_error(smollm, tiny_path):
+    from localspec.errors import LocalspecError
+
+    with pytest.raises(LocalspecError, match="cannot draft for .*tokenizer types differ"):
+        engine(smollm, "draft", draft=tiny_path)

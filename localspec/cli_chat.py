@@ -1,0 +1,96 @@
+"""`localspec chat`: options and terminal wiring (prompt, readline, piped stdin). The logic is chat.py."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+import click
+
+from .chat import ChatConfig, ChatLoop, ChatSession
+from .cli_common import build_sampling, model_options, open_engine, sampling_options
+
+MAX_TOKENS = 512
+
+
+def _terminal_reader(prompt: str) -> Callable[[], Optional[str]]:
+    """Lines from a terminal. The prompt goes where it cannot pollute data: to the terminal through
+    readline when stdout is one too, else to stderr."""
+    if sys.stdout.isatty():
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+
+    def read() -> Optional[str]:
+        try:
+            if sys.stdout.isatty():
+                return input(prompt)
+            sys.stderr.write(prompt)
+            sys.stderr.flush()
+            return input()
+        except EOFError:
+            sys.stderr.write("\n")
+            return None
+
+    return read
+
+
+def _pipe_reader() -> Callable[[], Optional[str]]:
+    """One message per line, no decorations."""
+
+    def read() -> Optional[str]:
+        line = sys.stdin.readline()
+        return line if line else None
+
+    return read
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--system", default=None, help="System prompt (change it in the chat with /system).")
+@click.option("--stats", "show_stats", is_flag=True,
+              help="Print acceptance and speed after every reply, and session totals at the end "
+                   "(stderr). /stats shows them at any time.")
+@model_options()
+@sampling_options
+def chat(system, show_stats, **kw):
+    """Chat with MODEL in the terminal, replies streamed as they are generated.
+
+    Speculative decoding is on (n-gram prompt lookup by default): the text is what plain decoding
+    gives, sooner. Earlier turns stay in the KV cache, so a new turn only evaluates its own tokens.
+    When the context fills up, the oldest turns are dropped (the system prompt stays) with a note
+    on stderr.
+
+    \b
+    In the chat: /stats, /system TEXT, /reset, /exit, /help.
+    Ctrl-C stops a reply and keeps what was written in the history; Ctrl-C at the
+    prompt discards the line; Ctrl-D or /exit quits.
+
+    With stdin not a terminal, each line is one user message, replies go to stdout (each one
+    newline-terminated) and everything else to stderr; Ctrl-C there ends the run (exit 130) after
+    stopping the reply cleanly.
+
+    \b
+    Examples:
+      localspec chat --system "You are a terse assistant."
+      localspec chat -m smollm2-135m -t 0.7 --stats
+      printf 'Name three primes.\\nNow three more.\\n' | localspec chat > replies.txt
+    """
+    interactive = sys.stdin.isatty()
+    with open_engine(kw) as engine:
+        config = ChatConfig(max_tokens=kw["max_tokens"], stop=tuple(kw["stop"]))
+        session = ChatSession(engine, build_sampling(kw), config, system=system,
+                              notify=lambda msg: click.echo(msg, err=True))
+        if interactive:
+            click.echo(f"localspec chat: {engine.model.path.name}, context {engine.ctx.n_ctx} "
+                       f"tokens, proposer {kw['proposer']}. /help for commands, Ctrl-D to quit.",
+                       err=True)
+        read = _terminal_reader("> ") if interactive else _pipe_reader()
+        ChatLoop(session, read, sys.stdout, sys.stderr, interactive=interactive,
+                 show_stats=show_stats).run()
+
+
+# sampling_options defaults -n to 256 (one-shot generate); a chat reply may run longer.
+for _param in chat.params:
+    if _param.name == "max_tokens":
+        _param.default = MAX_TOKENS
