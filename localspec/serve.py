@@ -232,8 +232,8 @@ def read_lines(fd: int) -> Iterator[bytes]:
 
 # -- the server ----------------------------------------------------------------------------------
 class Server:
-    """Owns the request queue and the table of unfinished generates. The engine is used by the
-    worker (serve()'s thread) only; the reader thread touches the queue, the table and the Writer."""
+    """Owns the request queue and the table of unfinished generates. Only the worker (the thread
+    in serve()) uses the engine; the reader thread touches the queue, the table and the Writer."""
 
     def __init__(self, engine: Engine, writer: Writer):
         self.engine, self.writer = engine, writer
@@ -257,10 +257,12 @@ class Server:
 
     # -- reader thread ---------------------------------------------------------------------------
     def _read(self, lines: Iterable[bytes]) -> None:
-        for line in lines:
-            if line.strip() and not self.handle_line(line):
-                return                      # shutdown received: stop reading
-        self._stop(NOTE)                    # EOF: finish like a silent shutdown
+        try:
+            for line in lines:
+                if line.strip() and not self.handle_line(line):
+                    return                  # shutdown received: stop reading
+        finally:
+            self._stop(NOTE)                # EOF (or a bug here): finish like a silent shutdown
 
     def handle_line(self, line: bytes) -> bool:
         """Handle one message; False after `shutdown`."""
@@ -278,7 +280,10 @@ class Server:
                 raise RpcError(METHOD_NOT_FOUND, f"unknown method '{method}' (this server has: "
                                                  f"{', '.join(METHODS)})")
             result = handler(rid, params)
-        except RpcError as e:
+        except Exception as e:
+            if not isinstance(e, RpcError):     # a bug: say so on stderr, keep serving
+                traceback.print_exc(file=sys.stderr)
+                e = RpcError(INTERNAL_ERROR, f"internal error: {type(e).__name__}: {e}")
             if rid is not NOTE:
                 self._error(rid, e.code, e.message)
             return True
