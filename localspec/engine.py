@@ -129,10 +129,12 @@ class Engine:
 
     def generate(self, prompt: Prompt, sampling: SamplingParams = SamplingParams(),
                  max_tokens: int = 256, stop: Sequence[str] = (), document: Optional[str] = None,
-                 speculate: bool = True, cancel: Optional[threading.Event] = None) -> Generation:
+                 speculate: bool = True, cancel: Optional[threading.Event] = None,
+                 policy: Optional[PolicyConfig] = None) -> Generation:
         """Start a generation. `prompt` is raw text, or chat messages [{"role", "content"}] that
         are rendered with the model's own template. `document` is extra text for the n-gram
-        proposer to search. Iterate the result for streamed text."""
+        proposer to search; `policy` overrides the engine's draft policy for this request.
+        Iterate the result for streamed text."""
         prompt_tokens = self.tokenize_prompt(prompt)
         if len(prompt_tokens) >= self.ctx.n_ctx:
             raise LocalspecError(
@@ -140,14 +142,20 @@ class Engine:
                 f"raise --ctx (the model was trained on {self.model.n_ctx_train}) or shorten it.")
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         use_spec = speculate and self.proposer is not None and self._can_rollback
-        policy = DraftPolicy(self._cost_curve(), self.config.policy, self._draft_cost) \
-            if use_spec else None
+        policy = DraftPolicy(self._cost_curve(), policy or self.config.policy,
+                             self._draft_cost) if use_spec else None
         req = _Request(sampling, PositionStream(seed), policy, list(prompt_tokens))
         if use_spec:
             doc = self.model.tokenize(document, add_special=False) if document else None
             self.proposer.begin(prompt_tokens, doc, sampling, seed)
         texts = TextStream(self.model.token_piece, stop)
         return Generation(self._run(req, texts, max_tokens, cancel), req, texts)
+
+    def prepare(self) -> None:
+        """Measure (or load) the cost curve now rather than on the first speculative request,
+        e.g. when a server starts."""
+        if self.proposer is not None:
+            self._cost_curve()
 
     def close(self) -> None:
         if getattr(self, "proposer", None) is not None:

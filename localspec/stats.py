@@ -29,7 +29,7 @@ class GenerationStats:
     verify_ms: float = 0.0           # target decodes of [last] + drafts
     sample_ms: float = 0.0           # sampler chain and verification maths
     total_ms: float = 0.0
-    stop_reason: str = ""            # eos | stop | length | cancelled
+    stop_reason: str = ""            # eos | stop | length | context | cancelled
 
     def record_step(self, source: str, n_drafted: int, n_accepted: int) -> None:
         self.steps += 1
