@@ -14,7 +14,7 @@ import queue
 import sys
 import threading
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Optional, Union
 
 import click
@@ -34,7 +34,7 @@ PROGRESS = "generate/progress"     # notification method carrying streamed text
 DEFAULT_MAX_TOKENS = 256
 METHODS = ("initialize", "generate", "cancel", "shutdown")
 GENERATE_PARAMS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
-                   "repeat_penalty", "seed", "stop", "document", "speculate", "stream")
+                   "repeat_penalty", "seed", "stop", "document", "speculate", "stream", "k")
 PROPOSERS = {"none": [], "hybrid": ["ngram", "draft"]}   # --proposer -> what drafts tokens
 NOTE = object()                    # the "id" of a notification: it never gets a response
 DEFERRED = object()                # a handler's result: the worker responds later
@@ -62,6 +62,7 @@ class Job:
     document: Optional[str]
     speculate: bool
     stream: bool
+    fixed_k: Optional[int] = None        # draft exactly k tokens per step (None: adaptive)
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -150,7 +151,9 @@ def parse_generate(rid: RequestId, params) -> Job:
     return Job(rid, prompt, sampling,
                max_tokens=_number(params, "max_tokens", DEFAULT_MAX_TOKENS, 1, integer=True),
                stop=stop, document=None if document is None else _text(document, "document"),
-               speculate=_flag(params, "speculate", True), stream=_flag(params, "stream", True))
+               speculate=_flag(params, "speculate", True), stream=_flag(params, "stream", True),
+               fixed_k=None if params.get("k") is None
+               else _number(params, "k", 0, 0, 32, integer=True))
 
 
 def _no_constants(name: str):
@@ -338,7 +341,9 @@ class Server:
         try:
             gen = self.engine.generate(job.prompt, job.sampling, max_tokens=job.max_tokens,
                                        stop=job.stop, document=job.document,
-                                       speculate=job.speculate, cancel=job.cancel)
+                                       speculate=job.speculate, cancel=job.cancel,
+                                       policy=None if job.fixed_k is None else
+                                       replace(self.engine.config.policy, fixed_k=job.fixed_k))
             for piece in gen:
                 if job.stream:
                     self._send({"jsonrpc": "2.0", "method": PROGRESS,
@@ -426,4 +431,5 @@ def serve(stdio, **kw):
     set_log_level()
     protocol_fd = take_stdout()
     with open_engine(kw) as engine:
+        engine.prepare()   # calibrate now, not inside the first (uncancellable) request
         Server(engine, Writer(protocol_fd)).serve(read_lines(sys.stdin.fileno()))

@@ -150,6 +150,15 @@ def test_chat_messages_and_stream_false_and_greedy_repeatable(server):
     assert first["result"]["text"] == again["result"]["text"]   # lossless: same greedy text
 
 
+def test_per_request_fixed_k_drafts_that_many(server):
+    params = {"prompt": "abcabcabcabcabcabc", "max_tokens": 24, "stream": False}
+    fixed = server.call("generate", {**params, "k": 3})["result"]
+    plain = server.call("generate", {**params, "speculate": False})["result"]
+    assert fixed["stats"]["drafted"] > 0 and max(fixed["stats"]["drafted_by_pos"]) > 0
+    assert len(fixed["stats"]["drafted_by_pos"]) <= 3
+    assert fixed["text"] == plain["text"]
+
+
 def test_garbage_lines_get_errors_and_the_next_request_works(server):
     garbage = [
         (b"this is not json", -32700),
