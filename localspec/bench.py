@@ -87,7 +87,7 @@ def read_source(source: Optional[dict]) -> Optional[str]:
 def load_workloads(path: Optional[Path] = None, kinds: Optional[Sequence[str]] = None,
                    ids: Optional[Sequence[str]] = None) -> list:
     """Cases of a workloads JSONL file (default: the copy shipped with localspec), filtered by
-    kind and id, in file order."""
+    kind and id; in the order of `ids` when given, else in file order."""
     path = Path(path) if path else DEFAULT_WORKLOADS
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -109,6 +109,8 @@ def load_workloads(path: Optional[Path] = None, kinds: Optional[Sequence[str]] =
     missing = sorted(set(ids or ()) - {c.id for c in cases})
     if missing:
         raise LocalspecError(f"no case called {', '.join(missing)} in {path} (with these kinds).")
+    if ids:
+        cases.sort(key=lambda c: list(ids).index(c.id))
     if not cases:
         raise LocalspecError(f"no cases selected from {path}.")
     return cases

@@ -33,7 +33,8 @@ def _csv(_ctx, _param, value):
                    "(llama-cpp-python's LlamaPromptLookupDecoding, k=10), peer-kN.")
 @click.option("--kinds", callback=_csv, default=None,
               help=f"Only these kinds ({','.join(KINDS)}).")
-@click.option("--cases", callback=_csv, default=None, help="Only these case ids.")
+@click.option("--cases", callback=_csv, default=None,
+              help="Only these case ids, run in the order given.")
 @click.option("-n", "--max-tokens", type=click.IntRange(1), default=None,
               help="Cap every case's generation budget (default: each case's own max_tokens).")
 @click.option("-t", "--temperature", type=click.FloatRange(0.0), default=0.0, show_default=True,

@@ -64,6 +64,8 @@ def test_prompt_shapes_follow_the_workloads_readme():
 def test_load_workloads_filters_and_one_line_errors(small_workloads, tmp_path):
     assert [c.id for c in load_workloads(small_workloads, kinds=["chat"])] == ["chat-hi"]
     assert [c.id for c in load_workloads(small_workloads, ids=["sum-pass"])] == ["sum-pass"]
+    assert [c.id for c in load_workloads(small_workloads, ids=["chat-hi", "edit-indent"])] == \
+        ["chat-hi", "edit-indent"]                    # --cases order is the run order
     with pytest.raises(LocalspecError, match="no case called nope"):
         load_workloads(small_workloads, ids=["nope"])
     with pytest.raises(LocalspecError, match="cannot read workloads file"):
