@@ -6,6 +6,9 @@ on Sapphire Rapids and newer (upstream llama.cpp issue 20824), and `-DGGML_AMX_*
 not help because -march=native turns AMX back on. So on x86 we build with GGML_NATIVE=OFF and
 name each instruction set the CPU has, AMX excluded; the repacked CPU kernels stay on.
 CUDA is enabled when nvcc and an NVIDIA GPU are both present, Metal on Apple Silicon.
+llamafile's tinyBLAS is left out everywhere (GGML_LLAMAFILE=OFF): it serves only batches of 2+
+rows, so with it a verify batch computes different logits from one-token decoding; without it,
+`--exact` (no repacking, no tiled K-quant matmul) is bit-for-bit batch-invariant on the CPU.
 
 Overrides: LOCALSPEC_CMAKE_ARGS replaces the choice entirely; CMAKE_ARGS is appended (later -D
 flags win); LOCALSPEC_CUDA=1/0 forces CUDA on/off.
@@ -48,7 +51,7 @@ def choose(system: str, machine: str, cpuinfo: str, nvcc: bool, gpu: bool,
     Example: Linux x86_64 with flags "avx avx2 fma f16c amx_tile", no GPU ->
     GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C=ON, the other listed sets OFF, AMX_*=OFF.
     """
-    args, why = [], []
+    args, why = ["-DGGML_LLAMAFILE=OFF"], ["llamafile tinyBLAS off: makes the --exact mode possible"]
     if machine.lower() in ("x86_64", "amd64") and system != "Darwin":
         flags = cpu_flags(cpuinfo)
         args.append("-DGGML_NATIVE=OFF")

@@ -34,6 +34,10 @@ def model_options(default_proposer: str = "ngram"):
             click.option("--k", "fixed_k", type=click.IntRange(0, 32), default=None,
                          help="Draft exactly this many tokens per step (default: adaptive, "
                               "from the measured cost curve and running acceptance)."),
+            click.option("--exact", is_flag=True, envvar="LOCALSPEC_EXACT",
+                         help="Batch-invariant CPU kernels: speculative output is bit-for-bit "
+                              "plain decoding's, at the cost of weight repacking (~20-40% slower). "
+                              "Env: LOCALSPEC_EXACT=1."),
             click.option("--ctx", "n_ctx", type=click.IntRange(64), default=4096,
                          show_default=True, help="Context size in tokens (prompt + output)."),
             click.option("--threads", type=click.IntRange(1), default=None,
@@ -87,6 +91,7 @@ def open_engine(kw: dict) -> Engine:
     if kw.get("draft") and not chosen:
         proposer = "hybrid"   # --draft without --proposer means: use the draft model too
     config = EngineConfig(proposer=proposer, draft=kw.get("draft"), n_ctx=kw["n_ctx"],
+                          exact=kw.get("exact", False),
                           n_threads=kw["threads"],
                           n_gpu_layers=kw["gpu_layers"],
                           policy=PolicyConfig(fixed_k=kw["fixed_k"]))

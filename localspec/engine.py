@@ -11,13 +11,13 @@ import random
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 from .calibrate import load_or_measure
 from .catalog import resolve_model
 from .errors import LocalspecError
-from .llama import Context, ContextParams, Model, ModelParams
+from .llama import Context, ContextParams, Model, ModelParams, enable_exact_kernels
 from .policy import DraftPolicy, PolicyConfig
 from .compat import check_pair
 from .proposers import EMPTY, DraftProposer, HybridProposer, NgramProposer
@@ -45,6 +45,7 @@ class EngineConfig:
     n_batch: int = 512
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
+    exact: bool = False                   # batch-invariant CPU kernels: speculative == plain, bit for bit
     ngram_min: int = 1
     ngram_max: int = 4
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -101,7 +102,11 @@ class Engine:
         self.config = config
         self._progress = progress
         self._own_model = not isinstance(target, Model)
-        self.model = Model(resolve_model(str(target)), ModelParams(n_gpu_layers=config.n_gpu_layers)) \
+        if config.exact:
+            enable_exact_kernels()
+        self._model_params = ModelParams(n_gpu_layers=config.n_gpu_layers,
+                                         use_extra_bufts=False if config.exact else None)
+        self.model = Model(resolve_model(str(target)), self._model_params) \
             if self._own_model else target
         try:
             self.ctx = Context(self.model, ContextParams(config.n_ctx, config.n_batch,
@@ -306,7 +311,8 @@ class Engine:
                                  "pass --draft MODEL (e.g. --draft default-draft).")
         layers = config.n_gpu_layers if config.draft_gpu_layers is None else config.draft_gpu_layers
         try:
-            self.draft_model = Model(resolve_model(config.draft), ModelParams(n_gpu_layers=layers))
+            self.draft_model = Model(resolve_model(config.draft),
+                                     replace(self._model_params, n_gpu_layers=layers))
             report = check_pair(self.model, self.draft_model)
             if not report.ok:
                 raise LocalspecError(

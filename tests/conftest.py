@@ -6,6 +6,10 @@ import os
 
 import pytest
 
+# ggml reads this once per process, at the first decode: turn the tiled K-quant matmul off for the
+# whole session so tests of the --exact mode can run in-process (it is the mode's requirement).
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
 from tinymodel import make_tiny_gguf
 
 

@@ -29,8 +29,8 @@ PROMPTS = REPEATING + NON_REPEATING
 TIE_GAP = 0.5   # logits; a divergence at a larger top-2 gap than this fails the test
 
 
-def engine(model, proposer="ngram", fixed_k=None, n_ctx=1024, draft=None):
-    return Engine(model, EngineConfig(proposer=proposer, n_ctx=n_ctx, n_threads=1,
+def engine(model, proposer="ngram", fixed_k=None, n_ctx=1024, draft=None, exact=False):
+    return Engine(model, EngineConfig(proposer=proposer, n_ctx=n_ctx, n_threads=1, exact=exact,
                                       draft=str(draft) if draft else None,
                                       policy=PolicyConfig(fixed_k=fixed_k)))
 
@@ -50,13 +50,14 @@ def top2_gap(model, tokens):
         return float(top[1] - top[0])
 
 
-def assert_greedy_lossless(model, prompts, max_tokens, fixed_k, proposer="ngram", draft=None):
+def assert_greedy_lossless(model, prompts, max_tokens, fixed_k, proposer="ngram", draft=None,
+                           exact=False):
     """Speculative greedy == plain greedy, token for token. Where they differ, the evidence must
     show a near-tie that batched logits flipped (llama.cpp picks kernels by batch size), never
     a gross difference that would point to an algorithmic bug."""
     diverged = []
-    with engine(model, "none") as plain, \
-            engine(model, proposer, fixed_k=fixed_k, draft=draft) as spec:
+    with engine(model, "none", exact=exact) as plain, \
+            engine(model, proposer, fixed_k=fixed_k, draft=draft, exact=exact) as spec:
         for prompt in prompts:
             ref = plain.generate(prompt, max_tokens=max_tokens).complete_tokens()
             gen = spec.generate(prompt, max_tokens=max_tokens)
@@ -89,6 +90,46 @@ def test_greedy_speculative_equals_plain_on_smollm(smollm):
     # Every divergence above was checked to be a near-tie; report how many there were.
     print(f"\nSmolLM2 greedy identity: {len(chats) - len(diverged)}/{len(chats)} prompts; "
           f"divergences (position, top-2 gap): {[(d, round(g, 3)) for _, d, g in diverged]}")
+
+
+def exact_mode_available():
+    from localspec.llama import system_info
+
+    return "LLAMAFILE" not in system_info()
+
+
+needs_exact_build = pytest.mark.skipif(not exact_mode_available(),
+                                       reason="llama.cpp built with llamafile (not ./install.sh)")
+
+
+@needs_exact_build
+@pytest.mark.parametrize("which", ["tiny", "smollm"])
+def test_exact_mode_batch_rows_equal_one_token_decodes_bit_for_bit(which, request):
+    """The --exact configuration: row i of a batch of k+1 tokens is bit-identical to decoding
+    those tokens one at a time, for every k the policy may choose."""
+    from localspec.llama import Model, ModelParams, enable_exact_kernels
+
+    enable_exact_kernels()
+    path = request.getfixturevalue("tiny_path" if which == "tiny" else "smollm_path")
+    with Model(path, ModelParams(use_extra_bufts=False)) as model, \
+            Context(model, ContextParams(n_ctx=1024, n_threads=2)) as ctx:
+        prompt = model.tokenize("Speculative decoding verifies many drafted tokens at once. " * 6)
+        ctx.decode(prompt, logits="none")
+        base = ctx.n_past
+        cont = [(97 * i + 11) % model.n_vocab for i in range(17)]
+        single = np.stack([ctx.decode([t], logits="last")[0].copy() for t in cont])
+        for k in range(1, 17):
+            ctx.truncate(base)
+            batch = ctx.decode(cont[: k + 1], logits="all").copy()
+            assert np.array_equal(batch, single[: k + 1]), f"k={k}"
+
+
+@needs_exact_build
+@pytest.mark.smollm
+def test_exact_mode_greedy_is_token_identical_on_smollm(smollm):
+    chats = [[{"role": "user", "content": f"Repeat exactly: {p}"}] for p in PROMPTS]
+    diverged = assert_greedy_lossless(smollm, chats, max_tokens=40, fixed_k=None, exact=True)
+    assert diverged == []
 
 
 def test_speculation_actually_accepts_drafts_on_repeating_text(tiny_model):

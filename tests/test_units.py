@@ -121,4 +121,5 @@ def test_build_flags_cuda_metal_and_overrides():
     assert "-DGGML_CUDA=ON" in choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=True)[0]
     assert "-DGGML_CUDA=ON" not in choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=False)[0]
     assert "-DGGML_CUDA=ON" in choose("Linux", "x86_64", "", False, False, cuda_env="1")[0]
-    assert choose("Darwin", "arm64", "", False, False)[0] == ["-DGGML_METAL=ON"]
+    assert choose("Darwin", "arm64", "", False, False)[0] == ["-DGGML_LLAMAFILE=OFF",
+                                                              "-DGGML_METAL=ON"]
