@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator, List, Optional, TextIO, Tuple
@@ -110,7 +111,6 @@ class ChatSession:
             self._record(gen.stats)
         interrupted = interrupted or gen.stats.stop_reason == "cancelled"
         if gen.text or not interrupted:
-            # NUL would end the content early in llama.cpp's C template API: drop it instead.
             self.turns.append((text, gen.text.replace("\0", "")))
         return Reply(gen.text, gen.stats, interrupted, dropped)
 
@@ -182,18 +182,23 @@ Ctrl-C stops a reply (what was written stays in the history); //text sends "/tex
 
 
 @contextmanager
-def sigint_cancels(cancel: threading.Event) -> Iterator[None]:
-    """While a reply runs, the first Ctrl-C sets `cancel` (the engine stops within one speculative
-    step, KV consistent); a second raises KeyboardInterrupt, e.g. during a long prefill.
-    SIGINT arriving inside a llama.cpp call is handled when that call returns."""
+def sigint_cancels(cancel: threading.Event, escalate_after_s: float = 0.5) -> Iterator[None]:
+    """While a reply runs, Ctrl-C sets `cancel`: the engine stops within one speculative step and
+    keeps its KV consistent. SIGINT arriving inside a llama.cpp call is handled when that call
+    returns. Only if the reply is still running `escalate_after_s` later (a long prefill does not
+    look at `cancel`) does another Ctrl-C raise KeyboardInterrupt; a quick double press must not
+    land in the middle of the engine's cleanup."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    pressed_at: list = []            # monotonic time of the first Ctrl-C
 
     def on_sigint(_signum, _frame):
-        if cancel.is_set():
+        if not pressed_at:
+            pressed_at.append(time.monotonic())
+            cancel.set()
+        elif time.monotonic() - pressed_at[0] >= escalate_after_s:
             raise KeyboardInterrupt
-        cancel.set()
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
@@ -219,15 +224,17 @@ class ChatLoop:
 
     def run(self) -> None:
         while True:
+            reading = True
             try:
                 line = self.read_line()
-            except KeyboardInterrupt:
+                reading = False
+                if line is None or not self.handle(line):
+                    break
+            except KeyboardInterrupt:   # at the prompt, or a late second Ctrl-C after a reply
                 if not self.interactive:
                     raise
-                self._say("\n(line discarded; /exit or Ctrl-D quits)")
-                continue
-            if line is None or not self.handle(line):
-                break
+                self._say("\n(line discarded; /exit or Ctrl-D quits)" if reading
+                          else "\n[interrupted]")
         if self.show_stats and self.session.last is not None:
             self._say(self.session.stats_report())
 
@@ -278,7 +285,7 @@ class ChatLoop:
         try:
             with self.guard(cancel):
                 reply = self.session.send(text, write, cancel)
-        except LocalspecError as e:     # the message alone does not fit: skip it, carry on
+        except LocalspecError as e:     # e.g. the message alone does not fit: say so, carry on
             self._say(str(e))
             return
         if wrote or not reply.interrupted:
