@@ -78,6 +78,7 @@ def chat(system, show_stats, **kw):
     """
     interactive = sys.stdin.isatty()
     with open_engine(kw) as engine:
+        engine.prepare()    # measure the cost curve now, not inside (and interruptible in) a reply
         config = ChatConfig(max_tokens=kw["max_tokens"], stop=tuple(kw["stop"]))
         session = ChatSession(engine, build_sampling(kw), config, system=system,
                               notify=lambda msg: click.echo(msg, err=True))
