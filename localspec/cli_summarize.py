@@ -1,4 +1,4 @@
-"""`localspec summarize`: options, progress on stderr and the exit code. The logic is summarize.py."""
+"""`localspec summarize`: options, progress on stderr, the exit code. The logic is summarize.py."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ def read_source(src: Source, stdin=None) -> str:
 
 
 # -- chunking --------------------------------------------------------------------------------------
-# Boundaries from coarse to fine: paragraphs (blank lines), lines, sentences. Below that, a hard split.
+# Boundaries from coarse to fine: paragraphs (blank lines), lines, sentences; then a hard split.
 _LEVELS = (re.compile(r"\n[ \t]*\n\s*"), re.compile(r"\n"), re.compile(r"(?<=[.!?;:])\s+"))
 
 
@@ -228,9 +228,13 @@ class Summarizer:
 
     def summarize(self, text: str, on_call: Optional[Callable[[Summary], None]] = None) -> Summary:
         """Map: one call per chunk. Reduce: the joined chunk summaries, re-chunked, until one call
-        covers everything. Each round must shrink the number of parts, or it would never end."""
+        covers everything. Each round must shrink the number of parts, or it would never end.
+
+        Example: 10,000 tokens of text, a 3,500-token budget, --max-tokens 256: 3 map calls,
+        then their ~768 tokens of summaries fit one reduce call: 4 calls, chunks=3.
+        """
         result = Summary("")
-        parts = split_chunks(text.strip(), self.budget(), self.count)
+        parts = _nonblank(split_chunks(text.strip(), self.budget(), self.count))
         result.chunks, reduce = len(parts), False
         while True:
             outs = [self._call(part.strip(), reduce, result, on_call) for part in parts]
@@ -240,7 +244,7 @@ class Summarizer:
             joined = "\n\n".join(o for o in outs if o)
             if not joined:
                 return result                 # every call ended at once: nothing to combine
-            merged = split_chunks(joined, self.budget(reduce=True), self.count)
+            merged = _nonblank(split_chunks(joined, self.budget(reduce=True), self.count))
             if len(merged) >= len(parts):
                 raise DocumentError(
                     f"the chunk summaries ({self.count(joined)} tokens) are no shorter than the "
@@ -258,6 +262,10 @@ class Summarizer:
         if on_call is not None:
             on_call(result)
         return text
+
+
+def _nonblank(chunks: list) -> list:
+    return [c for c in chunks if c.strip()]
 
 
 # -- outputs ---------------------------------------------------------------------------------------
