@@ -125,7 +125,8 @@ for _module, _command in (("cli_chat", "chat"), ("serve", "serve"),
 def main() -> None:
     """Console entry point: user errors are one line on stderr, never a traceback."""
     try:
-        cli.main(standalone_mode=False)
+        code = cli.main(standalone_mode=False)   # a command's ctx.exit(n) returns n here
+        sys.exit(code if isinstance(code, int) else 0)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:

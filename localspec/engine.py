@@ -26,7 +26,7 @@ from .stats import GenerationStats
 from .textstream import TextStream
 from .verify import verify
 
-Prompt = Union[str, Sequence[dict]]
+Prompt = Union[str, Sequence[dict], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,10 @@ class Engine:
 
     # -- public --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> list:
+        """Raw text (BOS added as the model wants), chat messages (the model's template), or
+        token ids used as they are."""
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):
+            return list(prompt)
         if isinstance(prompt, str):
             return self.model.tokenize(prompt, add_special=True, parse_special=False)
         text = self.model.apply_chat_template(list(prompt), add_assistant=True)

@@ -181,10 +181,11 @@ class TableProposer:
     def __init__(self, q: Dist, seed: int):
         self.q, self.rng = q, np.random.default_rng(seed)
 
-    def begin(self, history, document=None):
+    def begin(self, history, document=None, sampling=None, seed=0):
         pass
 
-    def propose(self, k):
+    def propose(self, policy, room):
+        k = policy.choose_k("draft", available=room)
         toks = self.rng.choice(self.q.ids, size=k, p=self.q.probs).tolist()
         return Proposal(toks, [self.q] * k, "draft")
 
@@ -199,7 +200,7 @@ def exact_sequence_probs(model, prompt_tokens, sampling, depth=3):
     """P(first `depth` output tokens) under plain sampling, enumerated: {tuple: prob}.
     A sequence that hits end-of-generation early is recorded without the EOS token."""
     probs = {}
-    with Context(model, ContextParams(n_ctx=256, n_threads=1)) as ctx:
+    with Context(model, ContextParams(n_ctx=512, n_threads=1)) as ctx:
         ctx.decode(prompt_tokens[:-1], logits="none")
 
         def walk(prefix, p):
@@ -243,8 +244,9 @@ def test_sampled_distribution_matches_plain_sampling(tiny_dir, temperature, prop
     draft = make_tiny_gguf(tiny_dir / "tiny-peaked-draft.gguf", seed=3, logit_scale=5.0,
                            noise=0.3) if proposer == "draft" else None
     with Model(path) as model, engine(model, "draft" if draft else "ngram", fixed_k=3,
-                                      n_ctx=256, draft=draft) as spec:
-        prompt = "abababababab"
+                                      n_ctx=512, draft=draft) as spec:
+        # Every byte token occurs in the prompt, so the n-gram proposer always has a match.
+        prompt = [model.bos, *range(3, 259), *[3 + ord("a"), 3 + ord("b")] * 4]
         prompt_tokens = spec.tokenize_prompt(prompt)
         probs = exact_sequence_probs(model, prompt_tokens, SamplingParams(**sampling))
         if proposer == "table":
