@@ -336,10 +336,10 @@ class Engine:
 
     def _cost_curve(self):
         if self._cost is None:
+            self._kv_tokens = []          # calibration clears the context (even if interrupted)
             curve = load_or_measure(self.ctx, self.config.n_gpu_layers, self.config.policy.k_max,
                                     progress=self._progress)
             self._cost = curve.ratios
-            self._kv_tokens = []          # calibration used the context
             if self.draft_model is not None:   # drafting one token, in target-step units
                 draft_ctx = self.proposer.draft.ctx if isinstance(self.proposer, HybridProposer) \
                     else self.proposer.ctx
