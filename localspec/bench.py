@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
+import numpy as np
+
 from .catalog import resolve_model
 from .engine import Engine, EngineConfig
 from .errors import LocalspecError
-from .llama import Model, ModelParams
+from .llama import Model, ModelParams, enable_exact_kernels
 from .policy import PolicyConfig
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -119,7 +121,8 @@ def load_workloads(path: Optional[Path] = None, kinds: Optional[Sequence[str]] =
 # -- modes ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Mode:
-    """plain | ngram (adaptive k) | ngram-kN (always N drafts) | peer | peer-kN (N predicted)."""
+    """plain | ngram, draft, hybrid (adaptive k) | ngram-kN, draft-kN, hybrid-kN (always N
+    drafts) | peer | peer-kN (N predicted)."""
 
     name: str
     fixed_k: Optional[int] = None
@@ -130,19 +133,20 @@ class Mode:
 
     @property
     def proposer(self) -> str:
-        return "none" if self.name == "plain" else "ngram"
+        return "none" if self.name == "plain" else self.name.partition("-k")[0]
 
 
 def parse_modes(text: str) -> list:
     """"plain,ngram,ngram-k3,peer" -> Modes; plain first whenever it is listed (it is the
     reference for ratios and identity)."""
+    bases = ("plain", "ngram", "draft", "hybrid", "peer")
     modes = []
     for name in (s.strip() for s in text.split(",") if s.strip()):
         base, _, k = name.partition("-k")
-        if base not in ("plain", "ngram", "peer") or (k and not k.isdigit()) or \
+        if base not in bases or (k and not k.isdigit()) or \
                 (k and base == "plain"):
-            raise LocalspecError(f"unknown mode {name!r}; use plain, ngram, ngram-kN, peer or "
-                                 "peer-kN.")
+            raise LocalspecError(f"unknown mode {name!r}; use plain, ngram, draft, hybrid, peer, "
+                                 "or one of those but plain with -kN (e.g. ngram-k3).")
         if name not in [m.name for m in modes]:
             modes.append(Mode(name, int(k) if k else None))
     modes.sort(key=lambda m: m.name != "plain")
@@ -157,7 +161,7 @@ class Outcome:
     """What one (case, mode) run produced, timed by wall clock from the request to its end."""
 
     text: str
-    tokens: Optional[list]            # None for the peer (its tokens are not exposed)
+    tokens: Optional[list]            # None for a sampled peer run (its tokens are not exposed)
     generated_tokens: int
     ttft_ms: float                    # request -> first token (tokenize + prefill + first draw)
     total_ms: float
@@ -241,30 +245,32 @@ class Peer:
                          verbose=False)
 
     def run(self, prompt: str, sampling: SamplingParams, max_tokens: int, live=None) -> Outcome:
-        sampled = []                  # perf_counter() at each stopping-criteria call
+        calls = []                    # (perf_counter(), argmax of the row) per criteria call
         self.llm.reset()              # cold: no prompt-prefix reuse from the previous request
         ticker = Ticker(live)
         chunks = self.llm.create_completion(
             prompt, max_tokens=max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
             top_p=sampling.top_p, min_p=sampling.min_p, repeat_penalty=sampling.repeat_penalty,
             seed=sampling.seed, stream=True,
-            stopping_criteria=self._criteria([lambda ids, logits:
-                                              sampled.append(time.perf_counter()) or False]))
+            stopping_criteria=self._criteria([lambda ids, logits: calls.append(
+                (time.perf_counter(), int(np.argmax(logits)))) or False]))
         text, reason = [], "length"
         for chunk in chunks:
             choice = chunk["choices"][0]
             text.append(choice["text"])
             reason = choice.get("finish_reason") or reason
-            ticker.tick(len(sampled))
+            ticker.tick(len(calls))
         end = time.perf_counter()
-        # create_completion calls the criteria once per sampled token and once more after its
-        # loop; the EOS token (finish_reason "stop") is sampled but not output.
-        n = max(0, len(sampled) - 1 - (1 if reason == "stop" else 0))
+        # create_completion calls the criteria right after sampling each token, with the logits
+        # row it sampled from (greedy: the token is its argmax), and once more after its loop.
+        sampled = calls[:-1]
+        tokens = [t for _, t in sampled][: len(sampled) - (reason == "stop")]   # drop the EOS
         # First token = first sample, not first chunk: the peer holds text back while it could
         # be an incomplete UTF-8 sequence, which is not decoding time.
-        first = sampled[0] if len(sampled) > 1 else end
-        return Outcome("".join(text), None, n, 1000 * (first - ticker.t0),
-                       1000 * (end - ticker.t0), "eos" if reason == "stop" else reason)
+        first = sampled[0][0] if sampled else end
+        return Outcome("".join(text), tokens if sampling.greedy else None, len(tokens),
+                       1000 * (first - ticker.t0), 1000 * (end - ticker.t0),
+                       "eos" if reason == "stop" else reason)
 
     def close(self) -> None:
         self.llm.close()
@@ -287,6 +293,7 @@ class Row:
     identical: Optional[bool]         # None: plain itself, or not comparable (sampled peer)
     diverge_at: Optional[int] = None  # first output token index that differs from plain
     top2_gap: Optional[float] = None  # plain path's top-2 logit gap there
+    text_identical: Optional[bool] = None   # same text as plain (the peer's stream can differ)
     stop_reason: str = ""
     load_avg: Optional[float] = None  # 1-minute load average after the case: other work running
     text: str = ""
@@ -325,10 +332,10 @@ def make_row(case: Case, mode: Mode, prompt_tokens: int, out: Outcome,
               stats=st.to_dict() if st else {})
     if plain is not None and plain is not out:
         row.ratio = _ratio(out.decode_tps, plain.decode_tps)
-        if mode.is_peer:
-            row.identical = out.text == plain.text if greedy else None
-        else:
-            row.identical = out.tokens == plain.tokens
+        # greedy: token lists (the peer's are read off the rows it sampled from); sampled: our
+        # modes must match plain under the same seed, the peer has its own random stream
+        row.identical = None if out.tokens is None else out.tokens == plain.tokens
+        row.text_identical = out.text == plain.text
     if peer is not None and not mode.is_peer:
         row.vs_peer = _ratio(out.decode_tps, peer.decode_tps)
     return row
@@ -376,11 +383,13 @@ def summarize(rows: Sequence[Row]) -> list:
 @dataclass(frozen=True)
 class BenchSettings:
     target: str = "default"
+    draft: Optional[str] = None       # draft model for the draft and hybrid modes
     sampling: SamplingParams = SamplingParams()
     max_tokens: Optional[int] = None  # cap on each case's own budget
     n_ctx: int = 4096
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
+    exact: bool = False               # batch-invariant CPU kernels for every engine mode
     warmup: bool = True
 
 
@@ -393,7 +402,10 @@ class Bench:
         self.modes, self.settings, self.say, self.live = list(modes), settings, say, live
         self.rows: list = []
         self.model_path = resolve_model(settings.target)
-        self.model = Model(self.model_path, ModelParams(n_gpu_layers=settings.n_gpu_layers))
+        if settings.exact:            # before any decode in this process; the peer shares it
+            enable_exact_kernels()
+        self.model = Model(self.model_path, ModelParams(
+            n_gpu_layers=settings.n_gpu_layers, use_extra_bufts=False if settings.exact else None))
         self.engines: dict = {}
         self.peers: dict = {}
         try:
@@ -401,9 +413,9 @@ class Bench:
                 if m.is_peer:
                     self.peers[m.name] = None     # loaded in run(): keeps a failure readable
                 else:
-                    cfg = EngineConfig(proposer=m.proposer, n_ctx=settings.n_ctx,
-                                       n_threads=settings.n_threads,
-                                       n_gpu_layers=settings.n_gpu_layers,
+                    cfg = EngineConfig(proposer=m.proposer, draft=settings.draft,
+                                       n_ctx=settings.n_ctx, n_threads=settings.n_threads,
+                                       n_gpu_layers=settings.n_gpu_layers, exact=settings.exact,
                                        policy=PolicyConfig(fixed_k=m.fixed_k))
                     self.engines[m.name] = Engine(self.model, cfg, progress=say)
         except Exception:
@@ -477,9 +489,7 @@ class Bench:
     def _explain(self, row: Row, case: Case, out: Outcome, plain: Outcome) -> None:
         """Where a greedy output left plain's, and how close plain's top-2 logits were there."""
         engine = self.engines["plain"]
-        mine = out.tokens if out.tokens is not None else \
-            self.model.tokenize(out.text, add_special=False, parse_special=False)
-        row.diverge_at = first_difference(mine, plain.tokens)
+        row.diverge_at = first_difference(out.tokens, plain.tokens)
         if row.diverge_at is not None and row.diverge_at < len(plain.tokens):
             row.top2_gap = round(top2_gap(engine, engine.tokenize_prompt(case.messages()),
                                           plain.tokens[:row.diverge_at]), 4)
@@ -493,7 +503,7 @@ class Bench:
         """The verify cost curve r(k) the n-gram engines used (cached on disk), for the record."""
         from .calibrate import load_or_measure
         for m in self.modes:
-            if m.proposer == "ngram" and not m.is_peer:
+            if m.proposer != "none" and not m.is_peer:
                 e = self.engines[m.name]
                 return list(load_or_measure(e.ctx, self.settings.n_gpu_layers,
                                             e.config.policy.k_max).ratios)

@@ -28,9 +28,12 @@ def _csv(_ctx, _param, value):
               help="Workloads JSONL file (default: the 20 cases shipped with localspec).")
 @click.option("-m", "--target", default="default", show_default=True, envvar="LOCALSPEC_MODEL",
               help="Catalog name or .gguf path of the model to benchmark. Env: LOCALSPEC_MODEL.")
+@click.option("--draft", default="default-draft", show_default=True,
+              help="Draft model for the draft and hybrid modes (catalog name or .gguf path).")
 @click.option("--modes", default="plain,ngram,peer", show_default=True,
-              help="Comma-separated: plain, ngram (adaptive k), ngram-kN (always N drafts), peer "
-                   "(llama-cpp-python's LlamaPromptLookupDecoding, k=10), peer-kN.")
+              help="Comma-separated: plain, ngram (adaptive k), draft, hybrid (n-gram, then the "
+                   "draft model), peer (llama-cpp-python's LlamaPromptLookupDecoding, k=10); "
+                   "add -kN to any but plain to draft exactly N tokens (ngram-k3, peer-k4).")
 @click.option("--kinds", callback=_csv, default=None,
               help=f"Only these kinds ({','.join(KINDS)}).")
 @click.option("--cases", callback=_csv, default=None,
@@ -50,14 +53,16 @@ def _csv(_ctx, _param, value):
               help="CPU threads for every mode (default: all cores this process may use).")
 @click.option("--gpu-layers", type=int, default=0, show_default=True,
               help="Layers to offload to the GPU (CUDA/Metal builds); -1 = all.")
+@click.option("--exact", is_flag=True, help="Batch-invariant CPU kernels for our modes (no weight "
+              "repacking): speculative output is then plain output bit for bit, at some speed.")
 @click.option("--no-warmup", is_flag=True, help="Skip the warm-up request per mode.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write every row, the summary and the setup as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also draw a bar chart of ratios to plain (needs matplotlib: "
                                  "pip install 'localspec[plot]').")
-def bench(workloads, target, modes, kinds, cases, max_tokens, temperature, seed, top_k, top_p,
-          min_p, n_ctx, threads, gpu_layers, no_warmup, json_path, plot_path):
+def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature, seed, top_k,
+          top_p, min_p, n_ctx, threads, gpu_layers, exact, no_warmup, json_path, plot_path):
     """Benchmark decoding modes side by side on the same cases and the same model.
 
     Every case runs in every mode in one process, modes interleaved case by case after a warm-up,
@@ -80,8 +85,9 @@ def bench(workloads, target, modes, kinds, cases, max_tokens, temperature, seed,
     selected = load_workloads(workloads, kinds, cases)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               seed=seed)
-    settings = BenchSettings(target, sampling, max_tokens, n_ctx, threads, gpu_layers,
-                             warmup=not no_warmup)
+    uses_draft = any(m.proposer in ("draft", "hybrid") for m in mode_list)
+    settings = BenchSettings(target, draft if uses_draft else None, sampling, max_tokens, n_ctx,
+                             threads, gpu_layers, exact, warmup=not no_warmup)
     say = lambda msg: click.echo(_clear_live() + msg, err=True)
     live = _live_writer() if sys.stderr.isatty() else None
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -126,7 +132,7 @@ def _identity(r) -> str:
     if r.identical is None:
         return "-"
     if r.identical:
-        return "yes"
+        return "yes" if r.text_identical is not False else "yes (text differs)"
     gap = "" if r.top2_gap is None else f", gap {r.top2_gap:.3f}"
     return f"NO @{r.diverge_at}{gap}"
 
@@ -242,7 +248,8 @@ def _meta(b: Bench, settings: BenchSettings, started) -> dict:
         "command": " ".join(["localspec", "bench", *sys.argv[1 + (sys.argv[1:2] == ["bench"]):]]),
         "started_utc": started.isoformat(timespec="seconds"),
         "localspec": __version__,
-        "model": str(b.model_path), "model_desc": b.model.describe(),
+        "model": str(b.model_path), "model_desc": b.model.describe(), "draft": settings.draft,
+        "exact": settings.exact,
         "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": b.n_threads,
         "platform": platform.platform(), "python": platform.python_version(),
         "llama_cpp_system_info": system_info(),

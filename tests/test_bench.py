@@ -86,7 +86,9 @@ def test_parse_modes_puts_plain_first_and_reads_fixed_k():
     assert [m.name for m in modes] == ["plain", "ngram", "peer-k4", "ngram-k3"]
     assert [m.fixed_k for m in modes] == [None, None, 4, 3]
     assert [m.is_peer for m in modes] == [False, False, True, False]
-    assert [m.proposer for m in modes] == ["none", "ngram", "ngram", "ngram"]
+    assert [m.proposer for m in modes] == ["none", "ngram", "peer", "ngram"]
+    assert [(m.proposer, m.fixed_k) for m in parse_modes("draft,hybrid-k2")] == \
+        [("draft", None), ("hybrid", 2)]
     for bad in ("fast", "plain-k2", "ngram-kx", ""):
         with pytest.raises(LocalspecError):
             parse_modes(bad)
@@ -144,6 +146,21 @@ def test_bench_on_tiny_model_ngram_modes_match_plain(tiny_path, small_workloads)
     # the peer's text on a random byte model is not valid UTF-8, so no identity claim here
     assert any("[3/3] chat-hi" in s for s in lines) and any("warm-up: peer" in s for s in lines)
     assert "| edit-indent | code-edit | ngram-k3" in format_rows(rows)
+
+
+def test_draft_and_hybrid_modes_match_plain(tiny_path, tiny_dir, small_workloads):
+    from tinymodel import make_tiny_gguf
+
+    draft = tiny_dir / "tiny-bench-draft.gguf"
+    if not draft.exists():
+        make_tiny_gguf(draft, seed=1, logit_scale=3.0)
+    settings = BenchSettings(str(tiny_path), draft=str(draft), max_tokens=12, n_ctx=2048,
+                             warmup=False)
+    with Bench(parse_modes("plain,draft-k2,hybrid"), settings) as b:
+        rows = b.run(load_workloads(small_workloads, ids=["chat-hi"]))
+    assert [(r.mode, r.identical) for r in rows] == [("plain", None), ("draft-k2", True),
+                                                     ("hybrid", True)]
+    assert rows[1].stats["drafted"] > 0
 
 
 def test_cli_tables_on_stdout_progress_on_stderr(tiny_path, small_workloads, tmp_path):
