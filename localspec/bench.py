@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-import numpy as np
-
 from .catalog import resolve_model
 from .engine import Engine, EngineConfig
 from .errors import LocalspecError
@@ -161,7 +159,7 @@ class Outcome:
     """What one (case, mode) run produced, timed by wall clock from the request to its end."""
 
     text: str
-    tokens: Optional[list]            # None for a sampled peer run (its tokens are not exposed)
+    tokens: Optional[list]            # the peer's: all but its last token (not observable)
     generated_tokens: int
     ttft_ms: float                    # request -> first token (tokenize + prefill + first draw)
     total_ms: float
@@ -245,7 +243,7 @@ class Peer:
                          verbose=False)
 
     def run(self, prompt: str, sampling: SamplingParams, max_tokens: int, live=None) -> Outcome:
-        calls = []                    # (perf_counter(), argmax of the row) per criteria call
+        calls = []                    # (perf_counter(), ids) per stopping-criteria call
         self.llm.reset()              # cold: no prompt-prefix reuse from the previous request
         ticker = Ticker(live)
         chunks = self.llm.create_completion(
@@ -253,7 +251,7 @@ class Peer:
             top_p=sampling.top_p, min_p=sampling.min_p, repeat_penalty=sampling.repeat_penalty,
             seed=sampling.seed, stream=True,
             stopping_criteria=self._criteria([lambda ids, logits: calls.append(
-                (time.perf_counter(), int(np.argmax(logits)))) or False]))
+                (time.perf_counter(), ids)) or False]))
         text, reason = [], "length"
         for chunk in chunks:
             choice = chunk["choices"][0]
@@ -261,16 +259,20 @@ class Peer:
             reason = choice.get("finish_reason") or reason
             ticker.tick(len(calls))
         end = time.perf_counter()
-        # create_completion calls the criteria right after sampling each token, with the logits
-        # row it sampled from (greedy: the token is its argmax), and once more after its loop.
+        # create_completion calls the criteria right after sampling output token j with
+        # ids = prompt + tokens[:j] (final: rows before j never change), and once more after its
+        # loop. So every output token but the last is observable; the EOS token is not output.
         sampled = calls[:-1]
-        tokens = [t for _, t in sampled][: len(sampled) - (reason == "stop")]   # drop the EOS
+        n = max(0, len(sampled) - (reason == "stop"))
+        tokens = None
+        if sampled:
+            n_prompt = len(sampled[0][1])
+            tokens = [int(t) for t in sampled[-1][1][n_prompt:]][:n]   # [n - 1] (or n at EOS)
         # First token = first sample, not first chunk: the peer holds text back while it could
         # be an incomplete UTF-8 sequence, which is not decoding time.
         first = sampled[0][0] if sampled else end
-        return Outcome("".join(text), tokens if sampling.greedy else None, len(tokens),
-                       1000 * (first - ticker.t0), 1000 * (end - ticker.t0),
-                       "eos" if reason == "stop" else reason)
+        return Outcome("".join(text), tokens, n, 1000 * (first - ticker.t0),
+                       1000 * (end - ticker.t0), "eos" if reason == "stop" else reason)
 
     def close(self) -> None:
         self.llm.close()
@@ -332,10 +334,14 @@ def make_row(case: Case, mode: Mode, prompt_tokens: int, out: Outcome,
               stats=st.to_dict() if st else {})
     if plain is not None and plain is not out:
         row.ratio = _ratio(out.decode_tps, plain.decode_tps)
-        # greedy: token lists (the peer's are read off the rows it sampled from); sampled: our
-        # modes must match plain under the same seed, the peer has its own random stream
-        row.identical = None if out.tokens is None else out.tokens == plain.tokens
         row.text_identical = out.text == plain.text
+        if not mode.is_peer:          # greedy, or seeded: same seed, same tokens
+            row.identical = out.tokens == plain.tokens
+        elif greedy and out.tokens is not None:
+            # the peer's last token is not observable: its tokens but the last, and its count
+            seen = len(out.tokens)
+            row.identical = out.generated_tokens == plain.generated_tokens and \
+                out.tokens == plain.tokens[:seen]
     if peer is not None and not mode.is_peer:
         row.vs_peer = _ratio(out.decode_tps, peer.decode_tps)
     return row
