@@ -217,6 +217,10 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:   # child: the pty is its controlling terminal, so \x03 is SIGINT
             try:
+                # A runner started in the background of a non-interactive shell has SIGINT
+                # ignored, and Python then never installs its KeyboardInterrupt handler: undo
+                # that, as a person's terminal would have it.
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.execve(argv[0], argv, env)
             finally:
                 os._exit(127)
