@@ -122,11 +122,12 @@ for _module, _command in (("cli_chat", "chat"), ("serve", "serve"),
         cli.add_command(getattr(importlib.import_module(f".{_module}", __package__), _command))
 
 
-def main() -> None:
-    """Console entry point: user errors are one line on stderr, never a traceback."""
+def run_command(command: click.Command, argv=None, prog_name=None) -> None:
+    """Run a click command with localspec's rules: user errors are one line on stderr (exit 1),
+    Ctrl-C is "interrupted" (exit 130), never a traceback."""
     try:
-        code = cli.main(standalone_mode=False)   # a command's ctx.exit(n) returns n here
-        sys.exit(code if isinstance(code, int) else 0)
+        code = command.main(argv, prog_name=prog_name, standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)   # a command's ctx.exit(n) returns n
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:
@@ -143,3 +144,8 @@ def main() -> None:
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
+
+
+def main() -> None:
+    """Console entry point."""
+    run_command(cli)

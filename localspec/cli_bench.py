@@ -261,19 +261,9 @@ def _meta(b: Bench, settings: BenchSettings, started) -> dict:
 
 def main(argv: Optional[list] = None) -> None:
     """Run `bench` alone (python -m localspec.cli_bench ...), with one-line user errors."""
-    try:
-        bench.main(argv, prog_name="localspec bench", standalone_mode=False)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
-    except LocalspecError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+    from .cli import run_command
+
+    run_command(bench, argv, prog_name="localspec bench")
 
 
 if __name__ == "__main__":
