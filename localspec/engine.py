@@ -160,6 +160,11 @@ class Engine:
         texts = TextStream(self.model.token_piece, stop)
         return Generation(self._run(req, texts, max_tokens, cancel), req, texts)
 
+    def reset(self) -> None:
+        """Forget the KV cache: the next request evaluates its whole prompt (cold start)."""
+        self.ctx.clear()
+        self._kv_tokens = []
+
     def prepare(self) -> None:
         """Measure (or load) the cost curve now rather than on the first speculative request,
         e.g. when a server starts."""
@@ -279,7 +284,8 @@ class Engine:
             if a != b:
                 break
             common += 1
-        common = min(common, len(prompt_tokens) - 1)   # at least one token to get logits from
+        # At least one token to get logits from; never trust rows the context no longer holds.
+        common = min(common, len(prompt_tokens) - 1, self.ctx.n_past)
         if not self.ctx.truncate(common):
             self.ctx.clear()
             common = 0
