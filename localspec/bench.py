@@ -197,8 +197,7 @@ def start_cold(engine: Engine) -> None:
     if callable(reset):
         reset()
         return
-    engine.ctx.clear()
-    engine._kv_tokens = []            # Engine has no public reset(); keep its prefix record honest
+    engine.reset()
 
 
 def run_engine(engine: Engine, case: Case, sampling: SamplingParams, max_tokens: int,

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import llama_cpp as C
 import numpy as np
 
+from .catalog import check_gguf_magic
 from .errors import LocalspecError
 
 # ---------------------------------------------------------------------------------------------
@@ -114,10 +115,7 @@ def _check_gguf_file(path: Path) -> None:
         raise LocalspecError(f"model file not found: {path}")
     if not path.is_file():
         raise LocalspecError(f"model path is not a file: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise LocalspecError(f"{path} is not a GGUF model file (it does not start with 'GGUF').")
+    check_gguf_magic(path)
 
 
 class Model:

@@ -35,8 +35,7 @@ def main() -> None:
     prompt = ours.model.apply_chat_template([{"role": "user", "content": PROMPT}])
     rates = {"localspec": [], "llama-cpp-python": []}
     for r in range(a.rounds):
-        ours.ctx.clear()
-        ours._kv_tokens = []
+        ours.reset()
         gen = ours.generate(prompt, max_tokens=a.tokens)
         gen.complete()
         rates["localspec"].append(gen.stats.decode_tokens_per_s)
