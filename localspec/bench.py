@@ -193,10 +193,6 @@ def start_cold(engine: Engine) -> None:
     """Forget the KV rows the previous request left, so every timed request prefills its whole
     prompt (the engine would otherwise reuse the shared chat-template prefix), as the peer does
     after Llama.reset()."""
-    reset = getattr(engine, "reset", None)
-    if callable(reset):
-        reset()
-        return
     engine.reset()
 
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
-from pathlib import Path
 
 import click
 
 from . import __version__
 from .cli_common import build_sampling, model_options, open_engine, sampling_options
+from .cli_bench import bench
+from .cli_chat import chat
 from .cli_models import models
+from .cli_summarize import summarize
 from .errors import LocalspecError
+from .serve import serve
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -113,13 +115,8 @@ def doctor(target, draft):
         sys.exit(1)
 
 
-cli.add_command(models)
-# Front-end commands live in their own modules. TEMPORARY while they are being written in
-# parallel: a module that does not exist yet is skipped; replaced by plain imports once all land.
-for _module, _command in (("cli_chat", "chat"), ("serve", "serve"),
-                          ("cli_summarize", "summarize"), ("cli_bench", "bench")):
-    if (Path(__file__).parent / f"{_module}.py").exists():
-        cli.add_command(getattr(importlib.import_module(f".{_module}", __package__), _command))
+for _command in (models, chat, serve, summarize, bench):
+    cli.add_command(_command)
 
 
 def run_command(command: click.Command, argv=None, prog_name=None) -> None:

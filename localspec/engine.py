@@ -265,9 +265,9 @@ class Engine:
             self._rollback_refused(req, emitted)
         if k == 0 and proposal.shadow is not None:
             # Plain step with a guess at hand: learn its acceptance for free.
-            req.policy.observe(proposal.source, 1, int(proposal.shadow == emitted[0]))
+            req.policy.observe(proposal.policy_key, 1, int(proposal.shadow == emitted[0]))
         elif req.policy is not None:
-            req.policy.observe(proposal.source, k, verdict.n_accepted)
+            req.policy.observe(proposal.policy_key, k, verdict.n_accepted)
         st = req.stats
         st.record_step(proposal.source, k, verdict.n_accepted)
         st.propose_ms += 1000 * (t1 - t0)

@@ -136,6 +136,7 @@ class Model:
                       "loading without repacked weights (slower). Reinstall with ./install.sh to fix.",
                       file=sys.stderr)
         mp.use_extra_bufts = extra
+        self.repacked = bool(extra)       # CPU weight repacking on: part of the speed identity
         _log_state["captured"] = []
         try:
             self._model = C.llama_model_load_from_file(str(self.path).encode(), mp)

@@ -39,7 +39,8 @@ class _Estimate:
 
 
 class DraftPolicy:
-    """Chooses k per step; learns acceptance per proposer source ("history", "document", "draft").
+    """Chooses k per step; learns acceptance per key: the n-gram proposer keys by source and
+    match length ("history:4", "document:2"), the draft model by "draft".
 
     `cost[k]` is r(k), the measured verify cost of k drafts relative to a plain step (cost[0] = 1).
     `draft_cost` is the draft model's cost per drafted token in target-step units; it applies to

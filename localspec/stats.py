@@ -60,8 +60,10 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
+        """Tokens after the first (which prefill produces) per second after prefill."""
         decode_ms = self.total_ms - self.prefill_ms
-        return 1000.0 * self.generated_tokens / decode_ms if decode_ms > 0 else 0.0
+        n = self.generated_tokens - 1
+        return 1000.0 * n / decode_ms if n > 0 and decode_ms > 0 else 0.0
 
     def merge(self, other: "GenerationStats") -> None:
         """Add another request's counters into this one (session totals)."""

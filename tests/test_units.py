@@ -91,6 +91,26 @@ def test_policy_drafts_when_acceptance_is_high_and_switches_off_when_low():
     assert pol.choose_k("document") > 0                      # sources are estimated apart
 
 
+def test_ngram_proposer_keys_acceptance_by_match_length():
+    """Short matches (prose) and long ones (copied code) are learned apart, so a run of failed
+    one-token guesses does not switch off drafting for four-token matches."""
+    from localspec.proposers import NgramProposer
+
+    pol = DraftPolicy([1.0, 1.5, 1.8, 1.6, 2.4], PolicyConfig(k_max=4))
+    for _ in range(60):
+        pol.observe("history:1", 1, 0)
+    prop = NgramProposer(ngram_min=1, ngram_max=4)
+    try:
+        prop.begin([5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 8])       # suffix 5 6 7 8 seen before: length 4
+        p = prop.propose(pol, room=10)
+        assert (p.key, p.source, p.tokens[:2]) == ("history:4", "history", [9, 1])
+        prop.begin([3, 4, 1, 2, 3])                          # only "3" repeats: length 1
+        p = prop.propose(pol, room=10)
+        assert (p.key, p.tokens, p.shadow) == ("history:1", [], 4)   # switched off, guess kept
+    finally:
+        prop.close()
+
+
 def test_policy_fixed_k_and_gpu_like_curve():
     assert DraftPolicy([1.0] * 17, PolicyConfig(fixed_k=5)).choose_k("x") == 5
     flat = DraftPolicy([1.0] * 17, PolicyConfig(k_max=16))
