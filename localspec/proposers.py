@@ -106,6 +106,9 @@ class DraftProposer:
         self._history = list(history)
         self._sampling = sampling or SamplingParams()
         self._rng = np.random.default_rng(seed ^ 0x5EED)   # independent of the target's stream
+        # Prompt processing for the draft belongs with the target's prefill (time to first
+        # token); left to the first proposal it would stall decoding for a whole prefill.
+        self._sync()
 
     def propose(self, policy: DraftPolicy, room: int) -> Proposal:
         k = policy.choose_k("draft", available=min(room, self.ctx.n_ctx - len(self._history)),

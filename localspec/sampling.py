@@ -106,6 +106,16 @@ def target_dist(logits: np.ndarray, params: SamplingParams, history: Sequence[in
     return Dist(ids[order].astype(np.int32), probs[order])
 
 
+def top2_gap(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> float:
+    """Logit margin between the best and second-best token after the repetition penalty: how
+    firmly greedy decoding chose. Example: logits [1.0, 3.5, 3.0] -> 0.5."""
+    if params.repeat_penalty != 1.0:
+        recent = history[-params.repeat_last_n:] if params.repeat_last_n > 0 else history
+        logits = apply_penalty(logits, recent, params.repeat_penalty)
+    top = np.partition(logits, logits.shape[0] - 2)[-2:]
+    return float(top[1] - top[0])
+
+
 def draw(dist: Dist, u: float) -> int:
     """Inverse-CDF draw with a uniform number u in [0, 1).
 

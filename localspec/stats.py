@@ -20,6 +20,7 @@ class GenerationStats:
     spec_steps: int = 0              # steps that verified at least one draft
     drafted: int = 0
     accepted: int = 0
+    rechecks: int = 0                # near-ties re-decided by a one-token decode (not exact mode)
     drafted_by_pos: list = field(default_factory=list)    # [i] drafts evaluated at position i
     accepted_by_pos: list = field(default_factory=list)   # [i] of those, accepted
     drafted_by_source: dict = field(default_factory=dict)
@@ -68,8 +69,8 @@ class GenerationStats:
     def merge(self, other: "GenerationStats") -> None:
         """Add another request's counters into this one (session totals)."""
         for name in ("prompt_tokens", "prefill_tokens", "generated_tokens", "steps", "spec_steps",
-                     "drafted", "accepted", "prefill_ms", "propose_ms", "verify_ms", "sample_ms",
-                     "total_ms"):
+                     "drafted", "accepted", "rechecks", "prefill_ms", "propose_ms", "verify_ms",
+                     "sample_ms", "total_ms"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_pos, other.drafted_by_pos),
                              (self.accepted_by_pos, other.accepted_by_pos)):
@@ -99,4 +100,6 @@ class GenerationStats:
                 f"steps {self.steps} ({self.spec_steps} speculative), "
                 f"accepted {self.accepted}/{self.drafted} ({100 * self.acceptance_rate:.0f}%)"
                 + (f" [{by_src}]" if by_src else "")
-                + f", {self.mean_accepted_len:.2f} tokens/step; stop: {self.stop_reason}")
+                + f", {self.mean_accepted_len:.2f} tokens/step"
+                + (f", {self.rechecks} near-ties re-decided" if self.rechecks else "")
+                + f"; stop: {self.stop_reason}")

@@ -139,7 +139,9 @@ def test_bench_on_tiny_model_ngram_modes_match_plain(tiny_path, small_workloads)
         assert r.prompt_tokens == rows[0].prompt_tokens or r.case != rows[0].case
         if r.mode.startswith("ngram"):
             assert r.identical is True, (r.case, r.mode)   # greedy: token for token
-            assert r.ratio is not None and r.mean_accepted_len >= 1.0
+            assert r.ratio is not None
+            # A step whose row 0 was a near-tie emits nothing (the guard re-decides it alone).
+            assert r.mean_accepted_len >= 1.0 or r.stats["rechecks"] > 0
             assert r.stats["prefill_tokens"] == r.prompt_tokens   # every request starts cold
         if r.mode == "plain":
             assert r.identical is None and r.ratio is None

@@ -29,9 +29,10 @@ PROMPTS = REPEATING + NON_REPEATING
 TIE_GAP = 0.5   # logits; a divergence at a larger top-2 gap than this fails the test
 
 
-def engine(model, proposer="ngram", fixed_k=None, n_ctx=1024, draft=None, exact=False):
+def engine(model, proposer="ngram", fixed_k=None, n_ctx=1024, draft=None, exact=False,
+           tie_margin=EngineConfig.tie_margin):
     return Engine(model, EngineConfig(proposer=proposer, n_ctx=n_ctx, n_threads=1, exact=exact,
-                                      draft=str(draft) if draft else None,
+                                      draft=str(draft) if draft else None, tie_margin=tie_margin,
                                       policy=PolicyConfig(fixed_k=fixed_k)))
 
 
@@ -51,13 +52,14 @@ def top2_gap(model, tokens):
 
 
 def assert_greedy_lossless(model, prompts, max_tokens, fixed_k, proposer="ngram", draft=None,
-                           exact=False):
+                           exact=False, tie_margin=EngineConfig.tie_margin):
     """Speculative greedy == plain greedy, token for token. Where they differ, the evidence must
     show a near-tie that batched logits flipped (llama.cpp picks kernels by batch size), never
     a gross difference that would point to an algorithmic bug."""
     diverged = []
     with engine(model, "none", exact=exact) as plain, \
-            engine(model, proposer, fixed_k=fixed_k, draft=draft, exact=exact) as spec:
+            engine(model, proposer, fixed_k=fixed_k, draft=draft, exact=exact,
+                   tie_margin=tie_margin) as spec:
         for prompt in prompts:
             ref = plain.generate(prompt, max_tokens=max_tokens).complete_tokens()
             gen = spec.generate(prompt, max_tokens=max_tokens)
@@ -75,8 +77,26 @@ def assert_greedy_lossless(model, prompts, max_tokens, fixed_k, proposer="ngram"
 
 
 def test_greedy_speculative_equals_plain_on_tiny_model(tiny_model):
-    diverged = assert_greedy_lossless(tiny_model, PROMPTS, max_tokens=48, fixed_k=4)
+    """The raw verifier, near-tie guard off: every row's choice is taken from the batch."""
+    diverged = assert_greedy_lossless(tiny_model, PROMPTS, max_tokens=48, fixed_k=4, tie_margin=0)
     assert len(diverged) <= 2, diverged
+
+
+def test_greedy_with_near_tie_guard_equals_plain_on_tiny_model(tiny_model):
+    assert_greedy_lossless(tiny_model, PROMPTS, max_tokens=48, fixed_k=4)
+
+
+def test_tie_guard_that_distrusts_every_batch_reproduces_plain_bit_for_bit(tiny_model):
+    """An infinite margin makes every verify batch a near-tie at row 0: the step emits nothing,
+    drops all its KV rows and the next step decodes one token. Output must be plain's exactly
+    (every row then comes from a one-token decode), which exercises the empty-step path."""
+    with engine(tiny_model, "none") as plain, \
+            engine(tiny_model, fixed_k=4, tie_margin=float("inf")) as spec:
+        for prompt in REPEATING[:5]:
+            ref = plain.generate(prompt, max_tokens=40).complete_tokens()
+            gen = spec.generate(prompt, max_tokens=40)
+            assert gen.complete_tokens() == ref, prompt
+            assert gen.stats.rechecks > 0 and gen.stats.accepted == 0, gen.stats.summary()
 
 
 def test_greedy_speculative_equals_plain_with_adaptive_k(tiny_model):
@@ -133,7 +153,8 @@ def test_exact_mode_greedy_is_token_identical_on_smollm(smollm):
 
 
 def test_speculation_actually_accepts_drafts_on_repeating_text(tiny_model):
-    with engine(tiny_model, "ngram", fixed_k=4) as spec:
+    # Guard off: the tiny model's random logits are full of near-ties it would re-decide.
+    with engine(tiny_model, "ngram", fixed_k=4, tie_margin=0) as spec:
         gen = spec.generate("abcabcabcabcabcabcabc", max_tokens=48)
         gen.complete()
     st = gen.stats
@@ -292,7 +313,7 @@ def test_greedy_with_smollm_drafting_for_itself(smollm, smollm_path):
     assert_greedy_lossless(smollm, chats, max_tokens=24, fixed_k=4, proposer="draft",
                            draft=smollm_path)
     drafted = accepted = 0
-    with engine(smollm, "draft", fixed_k=4, draft=smollm_path) as spec:
+    with engine(smollm, "draft", fixed_k=4, draft=smollm_path, tie_margin=0) as spec:
         for chat in chats[::4]:
             gen = spec.generate(chat, max_tokens=24)
             gen.complete()
