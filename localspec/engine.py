@@ -48,7 +48,7 @@ class EngineConfig:
     exact: bool = False                   # batch-invariant CPU kernels: speculative == plain, bit for bit
     tie_margin: float = 0.25              # greedy, not exact: re-decide rows closer than this alone
     ngram_min: int = 1
-    ngram_max: int = 4
+    ngram_max: int = 8
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
