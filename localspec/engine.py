@@ -152,11 +152,15 @@ class Engine:
                 f"the prompt is {len(prompt_tokens)} tokens but the context holds {self.ctx.n_ctx}; "
                 f"raise --ctx (the model was trained on {self.model.n_ctx_train}) or shorten it.")
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-        use_spec = speculate and self.proposer is not None and self._can_rollback
-        policy = DraftPolicy(self._cost_curve(), policy or self.config.policy,
-                             self._draft_cost) if use_spec else None
-        req = _Request(sampling, PositionStream(seed), policy, list(prompt_tokens))
-        if use_spec:
+        rules = None
+        if speculate and self.proposer is not None and self._can_rollback:
+            rules = DraftPolicy(self._cost_curve(), policy or self.config.policy, self._draft_cost)
+            if self.draft_model is not None and not rules.draft_can_pay():
+                self._drop_draft(rules)
+            if self.proposer is None:
+                rules = None
+        req = _Request(sampling, PositionStream(seed), rules, list(prompt_tokens))
+        if rules is not None:
             doc = self.model.tokenize(document, add_special=False) if document else None
             self.proposer.begin(prompt_tokens, doc, sampling, seed)
         texts = TextStream(self.model.token_piece, stop)
@@ -276,6 +280,7 @@ class Engine:
         st = req.stats
         st.record_step(proposal.source, k, min(verdict.n_accepted, len(emitted)))
         st.rechecks += tie is not None
+        st.step_tokens += len(emitted)
         st.propose_ms += 1000 * (t1 - t0)
         st.verify_ms += 1000 * (t2 - t1)
         st.sample_ms += 1000 * (clock() - t2)
@@ -365,6 +370,20 @@ class Engine:
             ngram.close()
             return draft
         return HybridProposer(ngram, draft)
+
+    def _drop_draft(self, policy: DraftPolicy) -> None:
+        """The draft model cannot pay on this device: stop asking it (it would only add its
+        prefill to every prompt and its catch-up to every probe). Hybrid keeps n-gram lookup."""
+        keep = self.proposer.ngram if isinstance(self.proposer, HybridProposer) else None
+        print(f"localspec: the draft model {self.draft_model.path.name} cannot pay on this device "
+              f"(one draft decode costs {self._draft_cost:.2f} target steps, so even at "
+              f"{policy.config.draft_best_acceptance:.0%} acceptance no draft length gains "
+              f"{policy.config.draft_min_gain - 1:.0%} over plain decoding); " + ("drafting with n-gram lookup only." if keep else
+                               "decoding without speculation."), file=sys.stderr)
+        (self.proposer.draft if keep else self.proposer).close()
+        self.proposer = keep
+        self.draft_model.close()
+        self.draft_model = None
 
     def _cost_curve(self):
         if self._cost is None:

@@ -29,6 +29,9 @@ class PolicyConfig:
     prior_weight: float = 2.0         # how many observations the prior is worth
     decay: float = 0.95               # per-observation forgetting: text changes character
     min_gain: float = 1.02            # speculate only when the model promises at least this gain
+    draft_best_acceptance: float = 0.9  # a draft model must promise draft_min_gain at this
+    draft_min_gain: float = 1.1         # acceptance, or it is dropped: its prefill, KV catch-up
+                                        # and probes are not in the per-token cost model
     probe_every: int = 128            # costly proposers that are off still try k=1 this often:
                                       # a probe costs a draft catch-up over the idle stretch plus
                                       # a 2-row verify, ~3 target steps on a 2-core CPU (<3%)
@@ -45,8 +48,9 @@ class DraftPolicy:
     match length ("history:4", "document:2"), the draft model by "draft".
 
     `cost[k]` is r(k), the measured verify cost of k drafts relative to a plain step (cost[0] = 1).
-    `draft_cost` is the draft model's cost per drafted token in target-step units; it applies to
-    the "draft" source only (n-gram lookup is free).
+    `draft_cost` is the draft model's one-token decode in target-step units; it applies to the
+    "draft" source only (n-gram lookup is free). A step of k drafts costs the draft k + 1 decodes:
+    k to draft, one to take in the token the target emitted after the last step.
     """
 
     def __init__(self, cost: Sequence[float], config: PolicyConfig = PolicyConfig(),
@@ -68,8 +72,24 @@ class DraftPolicy:
         """Predicted speed of drafting k tokens relative to plain decoding."""
         if k == 0:
             return 1.0
-        extra = self.draft_cost * k if source == "draft" else 0.0
+        extra = self._draft_steps(k) if source == "draft" else 0.0
         return expected_tokens(self.acceptance(source), k) / (self.cost[k] + extra)
+
+    def draft_can_pay(self) -> bool:
+        """Could the draft model clearly beat plain decoding on this device if it agreed with the
+        target `draft_best_acceptance` of the time? If not, asking it costs time (its prefill,
+        catching up after idle stretches, probes) that the best case barely pays back.
+        Example: CPU curve r(3) = 1.75 and a draft decode costing 0.48 target steps: at a = 0.9
+        the best k (3) promises 3.44 / (1.75 + 4 * 0.48) = 0.94x: no. A GPU-like flat curve with
+        0.2: 3.44 / (1 + 0.8) = 1.9x: yes."""
+        if self.config.fixed_k is not None:
+            return True
+        a, c = self.config.draft_best_acceptance, self.config
+        return any(expected_tokens(a, k) / (self.cost[k] + self._draft_steps(k)) > c.draft_min_gain
+                   for k in range(1, len(self.cost)))
+
+    def _draft_steps(self, k: int) -> float:
+        return self.draft_cost * (k + 1)
 
     def choose_k(self, source: str, available: Optional[int] = None, probe: bool = False) -> int:
         """Best k for the next step; `available` caps it (e.g. the n-gram match's length).

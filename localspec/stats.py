@@ -20,6 +20,7 @@ class GenerationStats:
     spec_steps: int = 0              # steps that verified at least one draft
     drafted: int = 0
     accepted: int = 0
+    step_tokens: int = 0             # tokens the steps emitted (an EOS included)
     rechecks: int = 0                # near-ties re-decided by a one-token decode (not exact mode)
     drafted_by_pos: list = field(default_factory=list)    # [i] drafts evaluated at position i
     accepted_by_pos: list = field(default_factory=list)   # [i] of those, accepted
@@ -57,7 +58,7 @@ class GenerationStats:
     @property
     def mean_accepted_len(self) -> float:
         """Tokens emitted per step, the recovered or bonus token included."""
-        return (self.generated_tokens - 1) / self.steps if self.steps else 0.0
+        return self.step_tokens / self.steps if self.steps else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -69,7 +70,7 @@ class GenerationStats:
     def merge(self, other: "GenerationStats") -> None:
         """Add another request's counters into this one (session totals)."""
         for name in ("prompt_tokens", "prefill_tokens", "generated_tokens", "steps", "spec_steps",
-                     "drafted", "accepted", "rechecks", "prefill_ms", "propose_ms", "verify_ms",
+                     "drafted", "accepted", "step_tokens", "rechecks", "prefill_ms", "propose_ms", "verify_ms",
                      "sample_ms", "total_ms"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_pos, other.drafted_by_pos),

@@ -333,14 +333,24 @@ def test_hybrid_keeps_sources_apart(tiny_model, tiny_drafts):
     assert sum(by_source.values()) == gen.stats.drafted
 
 
-def test_policy_turns_a_draft_as_slow_as_the_target_off(smollm, smollm_path):
-    """SmolLM drafting for itself costs a full target step per token: never worth it, so the
-    adaptive policy only probes now and then."""
-    with engine(smollm, "draft", fixed_k=None, draft=smollm_path) as spec:
-        gen = spec.generate("Count: 1 2 3 4 5 6 7 8 9", max_tokens=64)
-        gen.complete()
-    st = gen.stats
-    assert st.spec_steps <= st.steps // PolicyConfig().probe_every + 1
+@pytest.mark.parametrize("proposer", ["draft", "hybrid"])
+def test_a_draft_as_slow_as_the_target_is_dropped(smollm, smollm_path, proposer, capfd):
+    """SmolLM drafting for itself costs a full target step per token: it cannot pay even at
+    90% acceptance, so the engine drops it before the first proposal (no draft prefill, no
+    probes): draft mode decodes plainly, hybrid keeps n-gram lookup; one line says so."""
+    with engine(smollm, proposer, fixed_k=None, draft=smollm_path) as spec:
+        gen = spec.generate("Count: 1 2 3 4 5 6 7 8 9 1 2 3 4 5 6 7 8 9", max_tokens=48)
+        out = gen.complete_tokens()
+        assert spec.draft_model is None
+        assert "draft" not in gen.stats.drafted_by_source
+        if proposer == "draft":
+            assert spec.proposer is None and gen.stats.spec_steps == 0
+            assert gen.stats.mean_accepted_len == 1.0      # plain steps, an EOS included
+        else:
+            assert spec.proposer.name == "ngram"
+        again = spec.generate("Count: 1 2 3 4 5 6 7 8 9 1 2 3 4 5 6 7 8 9", max_tokens=48)
+        assert again.complete_tokens() == out
+    assert capfd.readouterr().err.count("cannot pay on this device") == 1
 
 
 def test_incompatible_draft_is_a_clear_error(smollm, tiny_path):

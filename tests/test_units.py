@@ -111,6 +111,13 @@ def test_ngram_proposer_keys_acceptance_by_match_length():
         prop.close()
 
 
+def test_draft_can_pay_only_where_the_cost_curve_leaves_room():
+    cpu = [1.0, 1.58, 1.75, 1.75, 2.26, 2.70, 2.70, 2.85, 3.07]   # measured, 2-core Xeon
+    assert not DraftPolicy(cpu, draft_cost=0.48).draft_can_pay()  # Qwen 0.5B for 1.5B there
+    assert DraftPolicy([1.0] * 9, draft_cost=0.2).draft_can_pay()  # GPU-like: flat verify
+    assert DraftPolicy(cpu, PolicyConfig(fixed_k=3), draft_cost=0.48).draft_can_pay()  # forced
+
+
 def test_policy_fixed_k_and_gpu_like_curve():
     assert DraftPolicy([1.0] * 17, PolicyConfig(fixed_k=5)).choose_k("x") == 5
     flat = DraftPolicy([1.0] * 17, PolicyConfig(k_max=16))
