@@ -30,6 +30,8 @@ def model_options(default_proposer: str = "ngram"):
             click.option("--draft", default=None, envvar="LOCALSPEC_DRAFT",
                          help="Draft model for --proposer draft/hybrid: catalog name (e.g. "
                               "default-draft) or .gguf path; must share the target's tokenizer. "
+                              "Where its cost curve says it cannot pay (a small CPU), it is "
+                              "dropped with a one-line note unless --k forces drafting. "
                               "Env: LOCALSPEC_DRAFT."),
             click.option("--k", "fixed_k", type=click.IntRange(0, 32), default=None,
                          help="Draft exactly this many tokens per step (default: adaptive, "
