@@ -22,7 +22,7 @@ from .engine import Engine, EngineConfig
 from .errors import LocalspecError
 from .llama import Model, ModelParams, enable_exact_kernels
 from .policy import PolicyConfig
-from .sampling import SamplingParams
+from .sampling import SamplingParams, top2_gap
 from .stats import GenerationStats
 
 DEFAULT_WORKLOADS = Path(__file__).parent / "data" / "workloads.jsonl"
@@ -189,16 +189,11 @@ class Ticker:
             self.live(n, (n - 1) / span if n > 1 and span > 0 else 0.0)
 
 
-def start_cold(engine: Engine) -> None:
-    """Forget the KV rows the previous request left, so every timed request prefills its whole
-    prompt (the engine would otherwise reuse the shared chat-template prefix), as the peer does
-    after Llama.reset()."""
-    engine.reset()
-
-
 def run_engine(engine: Engine, case: Case, sampling: SamplingParams, max_tokens: int,
                live=None) -> Outcome:
-    start_cold(engine)
+    # Cold: forget the previous request's KV rows so the whole prompt is prefilled (the engine
+    # would otherwise reuse the shared chat-template prefix), as the peer does after reset().
+    engine.reset()
     ticker = Ticker(live)
     gen = engine.generate(case.messages(), sampling, max_tokens=max_tokens)
     t_iter = time.perf_counter()      # the generation loop (and its prefill clock) starts here
@@ -307,15 +302,14 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def top2_gap(engine: Engine, prompt_tokens: list, prefix: list) -> float:
+def plain_gap(engine: Engine, prompt_tokens: list, prefix: list) -> float:
     """Top-2 logit gap of the target after prompt + prefix (one batched prefill, so its logits
     may differ slightly from the one-token decodes plain used; cheap, and close enough to spot
     near-ties)."""
-    start_cold(engine)
-    row = engine.ctx.decode(prompt_tokens + prefix, logits="last")[0]   # [n_vocab] float32
-    lo, hi = sorted(row[row.argpartition(-2)[-2:]])
-    start_cold(engine)
-    return float(hi - lo)
+    engine.reset()
+    gap = top2_gap(engine.ctx.decode(prompt_tokens + prefix, logits="last")[0], SamplingParams())
+    engine.reset()
+    return gap
 
 
 def make_row(case: Case, mode: Mode, prompt_tokens: int, out: Outcome,
@@ -492,7 +486,7 @@ class Bench:
         engine = self.engines["plain"]
         row.diverge_at = first_difference(out.tokens, plain.tokens)
         if row.diverge_at is not None and row.diverge_at < len(plain.tokens):
-            row.top2_gap = round(top2_gap(engine, engine.tokenize_prompt(case.messages()),
+            row.top2_gap = round(plain_gap(engine, engine.tokenize_prompt(case.messages()),
                                           plain.tokens[:row.diverge_at]), 4)
 
     @staticmethod

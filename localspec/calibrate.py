@@ -13,7 +13,7 @@ import statistics
 import time
 
 from .catalog import localspec_home
-from .llama import Context, system_info
+from .llama import Context, system_info, tiled_matmul_off
 from .policy import CostCurve
 
 CALIBRATION_VERSION = 2
@@ -23,7 +23,7 @@ def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
     st = ctx.model.path.stat()
     ident = json.dumps([CALIBRATION_VERSION, str(ctx.model.path.resolve()), st.st_size,
                         int(st.st_mtime), ctx.n_threads, n_gpu_layers, k_max, system_info(),
-                        ctx.model.repacked, os.environ.get("GGML_CPU_TILED_MM", "")])
+                        ctx.model.repacked, tiled_matmul_off()])
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 

@@ -46,7 +46,7 @@ class EngineConfig:
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
     exact: bool = False                   # batch-invariant CPU kernels: speculative == plain, bit for bit
-    tie_margin: float = 0.25              # greedy, not exact: re-decide rows closer than this alone
+    tie_margin: float = 0.25              # greedy, not exact: rows closer than this are re-decided
     ngram_min: int = 1
     ngram_max: int = 8
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -375,11 +375,12 @@ class Engine:
         """The draft model cannot pay on this device: stop asking it (it would only add its
         prefill to every prompt and its catch-up to every probe). Hybrid keeps n-gram lookup."""
         keep = self.proposer.ngram if isinstance(self.proposer, HybridProposer) else None
+        then = "drafting with n-gram lookup only." if keep else "decoding without speculation."
         print(f"localspec: the draft model {self.draft_model.path.name} cannot pay on this device "
               f"(one draft decode costs {self._draft_cost:.2f} target steps, so even at "
               f"{policy.config.draft_best_acceptance:.0%} acceptance no draft length gains "
-              f"{policy.config.draft_min_gain - 1:.0%} over plain decoding); " + ("drafting with n-gram lookup only." if keep else
-                               "decoding without speculation."), file=sys.stderr)
+              f"{policy.config.draft_min_gain - 1:.0%} over plain decoding); {then}",
+              file=sys.stderr)
         (self.proposer.draft if keep else self.proposer).close()
         self.proposer = keep
         self.draft_model.close()

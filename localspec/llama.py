@@ -85,9 +85,14 @@ def enable_exact_kernels() -> None:
     if "LLAMAFILE" in system_info():
         raise LocalspecError("exact mode needs llama.cpp built without llamafile "
                              "(GGML_LLAMAFILE=OFF, as ./install.sh does); reinstall with it.")
-    if _state["decoded"] and os.environ.get("GGML_CPU_TILED_MM") != "0":
+    if _state["decoded"] and not tiled_matmul_off():
         raise LocalspecError("exact mode must be chosen before the first decode in this process.")
     os.environ["GGML_CPU_TILED_MM"] = "0"
+
+
+def tiled_matmul_off() -> bool:
+    """Whether enable_exact_kernels() turned ggml's tiled K-quant matmul off in this process."""
+    return os.environ.get("GGML_CPU_TILED_MM") == "0"
 
 
 def build_has_amx() -> bool:

@@ -84,8 +84,8 @@ class DraftPolicy:
         0.2: 3.44 / (1 + 0.8) = 1.9x: yes."""
         if self.config.fixed_k is not None:
             return True
-        a, c = self.config.draft_best_acceptance, self.config
-        return any(expected_tokens(a, k) / (self.cost[k] + self._draft_steps(k)) > c.draft_min_gain
+        a, gain = self.config.draft_best_acceptance, self.config.draft_min_gain
+        return any(expected_tokens(a, k) / (self.cost[k] + self._draft_steps(k)) > gain
                    for k in range(1, len(self.cost)))
 
     def _draft_steps(self, k: int) -> float:

@@ -28,7 +28,7 @@ class Proposal:
     p_draft: Optional[list]           # [k] Dist, or None: point masses (n-gram, greedy drafts)
     source: str                       # "history" | "document" | "draft"
     shadow: Optional[int] = None      # k == 0 but a guess exists: the policy may learn from it
-    key: str = ""                     # what the policy keys its acceptance estimate by ("" = source)
+    key: str = ""                     # the policy's acceptance-estimate key ("" = source)
 
     @property
     def policy_key(self) -> str:

@@ -70,8 +70,8 @@ class GenerationStats:
     def merge(self, other: "GenerationStats") -> None:
         """Add another request's counters into this one (session totals)."""
         for name in ("prompt_tokens", "prefill_tokens", "generated_tokens", "steps", "spec_steps",
-                     "drafted", "accepted", "step_tokens", "rechecks", "prefill_ms", "propose_ms", "verify_ms",
-                     "sample_ms", "total_ms"):
+                     "drafted", "accepted", "step_tokens", "rechecks", "prefill_ms", "propose_ms",
+                     "verify_ms", "sample_ms", "total_ms"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_pos, other.drafted_by_pos),
                              (self.accepted_by_pos, other.accepted_by_pos)):

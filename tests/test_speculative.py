@@ -14,6 +14,7 @@ from localspec.llama import Context, ContextParams
 from localspec.policy import PolicyConfig
 from localspec.proposers import Proposal
 from localspec.sampling import Dist, SamplingParams, target_dist
+from localspec.sampling import top2_gap as row_gap
 
 REPEATING = [
     "abcabcabcabcabc", "the cat the cat the cat the cat", "1,2,3,1,2,3,1,2,3,1,2,3",
@@ -46,9 +47,7 @@ def top2_gap(model, tokens):
     """Top-2 logit gap of the next token after `tokens`, decoded one token at a time."""
     with Context(model, ContextParams(n_ctx=2048, n_threads=1)) as ctx:
         ctx.decode(tokens[:-1], logits="none")
-        row = ctx.decode(tokens[-1:], logits="last")[0]
-        top = np.sort(row)[-2:]
-        return float(top[1] - top[0])
+        return row_gap(ctx.decode(tokens[-1:], logits="last")[0], SamplingParams())
 
 
 def assert_greedy_lossless(model, prompts, max_tokens, fixed_k, proposer="ngram", draft=None,
