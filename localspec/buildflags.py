@@ -6,13 +6,14 @@ on Sapphire Rapids and newer (upstream llama.cpp issue 20824), and `-DGGML_AMX_*
 not help because -march=native turns AMX back on. So on x86 we build with GGML_NATIVE=OFF and
 name each instruction set the CPU has, AMX excluded; the repacked CPU kernels stay on.
 CUDA is enabled when nvcc and an NVIDIA GPU are both present, Metal on Apple Silicon.
-llamafile's tinyBLAS is left out everywhere (GGML_LLAMAFILE=OFF): it serves only batches of 2+
-rows, so with it a verify batch computes different logits from one-token decoding; without it,
-`--exact` (no repacking, no tiled K-quant matmul) is bit-for-bit batch-invariant on the CPU.
+llamafile's tinyBLAS stays on (llama.cpp's default): without it prefill ran 0.85x llama.cpp's own
+build on a 2-core EPYC (docs/build.md). It serves only batches of 2+ rows, so with it a verify
+batch computes different logits from one-token decoding; `--exact` therefore loads a second copy
+of the one library it lives in (ggml-cpu), built with exact_cmake_args(): GGML_LLAMAFILE=OFF.
 
 Overrides: LOCALSPEC_CMAKE_ARGS replaces the choice entirely; CMAKE_ARGS is appended (later -D
 flags win); LOCALSPEC_CUDA=1/0 forces CUDA on/off.
-Run `python localspec/buildflags.py --explain` to see the decision.
+Run `python localspec/buildflags.py --explain` to see the decision, `--exact` for the exact copy's.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def choose(system: str, machine: str, cpuinfo: str, nvcc: bool, gpu: bool,
     Example: Linux x86_64 with flags "avx avx2 fma f16c amx_tile", no GPU ->
     GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C=ON, the other listed sets OFF, AMX_*=OFF.
     """
-    args, why = ["-DGGML_LLAMAFILE=OFF"], ["llamafile tinyBLAS off: makes the --exact mode possible"]
+    args = ["-DGGML_LLAMAFILE=ON"]
+    why = ["llamafile tinyBLAS on: full prefill speed (--exact loads a llamafile-free ggml-cpu copy)"]
     if machine.lower() in ("x86_64", "amd64") and system != "Darwin":
         flags = cpu_flags(cpuinfo)
         args.append("-DGGML_NATIVE=OFF")
@@ -76,6 +78,12 @@ def choose(system: str, machine: str, cpuinfo: str, nvcc: bool, gpu: bool,
     return args, why
 
 
+def exact_cmake_args(args: list) -> list:
+    """Flags of the --exact copy of ggml-cpu: the same build without llamafile's tinyBLAS (its
+    only switch, GGML_USE_LLAMAFILE, is private to ggml-cpu, so the copy links with the rest)."""
+    return [a for a in args if not a.startswith("-DGGML_LLAMAFILE=")] + ["-DGGML_LLAMAFILE=OFF"]
+
+
 def host_cmake_args() -> tuple:
     override = os.environ.get("LOCALSPEC_CMAKE_ARGS")
     if override is not None:
@@ -98,4 +106,4 @@ if __name__ == "__main__":
     if "--explain" in sys.argv:
         for r in reasons:
             print(f"- {r}", file=sys.stderr)
-    print(" ".join(cmake_args))
+    print(" ".join(exact_cmake_args(cmake_args) if "--exact" in sys.argv else cmake_args))

@@ -14,11 +14,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import llama_cpp as C
 import numpy as np
 
+from . import libs
 from .catalog import check_gguf_magic
 from .errors import LocalspecError
+
+
+class _NotLoaded:
+    """Stands for the llama_cpp module until the first call needs it: importing it loads the
+    shared libraries, and exact mode must get the chance to pick the llamafile-free ones first."""
+
+    def __getattr__(self, name: str):
+        return getattr(_load_llama_cpp(), name)
+
+
+C = _NotLoaded()
+_lib_state = {"account": ""}
+
+
+def _load_llama_cpp(exact: Optional[bool] = None):
+    """Import llama_cpp once per process, with the libraries exact mode (LOCALSPEC_EXACT=1 or
+    `exact`) asks for; later calls return the module already loaded."""
+    global C
+    if isinstance(C, _NotLoaded):
+        _lib_state["account"] = libs.choose(libs.exact_requested() if exact is None else exact)
+        import llama_cpp
+
+        C = llama_cpp
+        _install_log_callback()
+    return C
+
+
+def library_account() -> str:
+    """Which libraries this process loaded and why ("" before the first use)."""
+    return _lib_state["account"]
+
 
 # ---------------------------------------------------------------------------------------------
 # Logging and backend
@@ -47,6 +78,11 @@ def set_log_level(level: str = "error") -> None:
     """
     level = os.environ.get("LOCALSPEC_LOG", level).lower()
     _log_state["min_level"] = _LOG_LEVEL_NAMES.get(level, 99)
+    if not isinstance(C, _NotLoaded):   # else _load_llama_cpp() installs it: a level loads nothing
+        _install_log_callback()
+
+
+def _install_log_callback() -> None:
     if _log_state["callback"] is None:
         _log_state["callback"] = C.llama_log_callback(_on_log)
         C.llama_log_set(_log_state["callback"], ctypes.c_void_p(0))
@@ -77,14 +113,20 @@ _state = {"decoded": False}
 
 def enable_exact_kernels() -> None:
     """Make CPU decoding batch-invariant: a verify batch then computes bit-identical logits to
-    one-token decoding. Needs a build without llamafile (install.sh's default) and models loaded
-    with use_extra_bufts=False (no repacking) and flash attention off; this turns off ggml's
-    tiled K-quant matmul, which ggml reads once per process, so it must run before any decode.
+    one-token decoding. Needs llama.cpp without llamafile's tinyBLAS (the lib-exact copy that
+    install.sh builds, loaded here if this is the process's first use of llama.cpp) and models
+    loaded with use_extra_bufts=False (no repacking) and flash attention off; this turns off
+    ggml's tiled K-quant matmul, which ggml reads once per process, so it must run before any decode.
     Measured: max |diff| 0 on every row of batches of 2..17 tokens (SmolLM2 Q4_1, Qwen Q4_K_M).
     """
+    first_use = isinstance(C, _NotLoaded)
+    _load_llama_cpp(exact=True)
     if "LLAMAFILE" in system_info():
-        raise LocalspecError("exact mode needs llama.cpp built without llamafile "
-                             "(GGML_LLAMAFILE=OFF, as ./install.sh does); reinstall with it.")
+        if not first_use:
+            raise LocalspecError("exact mode must be chosen before this process first uses "
+                                 "llama.cpp (it loaded the default libraries); set LOCALSPEC_EXACT=1.")
+        raise LocalspecError("exact mode needs llama.cpp's libraries without llamafile, which "
+                             "./install.sh builds beside the default ones; rerun ./install.sh.")
     if _state["decoded"] and not tiled_matmul_off():
         raise LocalspecError("exact mode must be chosen before the first decode in this process.")
     os.environ["GGML_CPU_TILED_MM"] = "0"

@@ -117,8 +117,10 @@ def exact_mode_available():
     return "LLAMAFILE" not in system_info()
 
 
+# ./install.sh's default libraries have llamafile; tests/test_exact_libs.py runs these tests again in
+# a process that loaded the llamafile-free copy (LOCALSPEC_EXACT=1).
 needs_exact_build = pytest.mark.skipif(not exact_mode_available(),
-                                       reason="llama.cpp built with llamafile (not ./install.sh)")
+                                       reason="this process loaded llama.cpp with llamafile")
 
 
 @needs_exact_build

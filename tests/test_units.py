@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from localspec.buildflags import choose
+from localspec.buildflags import choose, exact_cmake_args
 from localspec.policy import DraftPolicy, PolicyConfig, expected_tokens
 from localspec.sampling import (Dist, PositionStream, SamplingParams, apply_penalty, draw,
                                 target_dist)
@@ -148,5 +148,13 @@ def test_build_flags_cuda_metal_and_overrides():
     assert "-DGGML_CUDA=ON" in choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=True)[0]
     assert "-DGGML_CUDA=ON" not in choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=False)[0]
     assert "-DGGML_CUDA=ON" in choose("Linux", "x86_64", "", False, False, cuda_env="1")[0]
-    assert choose("Darwin", "arm64", "", False, False)[0] == ["-DGGML_LLAMAFILE=OFF",
+    assert choose("Darwin", "arm64", "", False, False)[0] == ["-DGGML_LLAMAFILE=ON",
                                                               "-DGGML_METAL=ON"]
+
+
+def test_default_build_keeps_llamafile_and_the_exact_copy_differs_only_there():
+    args, _ = choose("Linux", "x86_64", AMX_HOST, nvcc=False, gpu=False)
+    assert "-DGGML_LLAMAFILE=ON" in args                      # full prefill speed by default
+    exact = exact_cmake_args(args + ["-DGGML_LLAMAFILE=ON"])  # a user's CMAKE_ARGS cannot undo it
+    assert exact[-1] == "-DGGML_LLAMAFILE=OFF" and sum("LLAMAFILE" in a for a in exact) == 1
+    assert [a for a in exact if "LLAMAFILE" not in a] == [a for a in args if "LLAMAFILE" not in a]
