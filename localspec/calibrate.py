@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 
-from .catalog import localspec_home
+from .files import localspec_home
 from .llama import Context, system_info, tiled_matmul_off
 from .policy import CostCurve
 

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import llama_cpp as C
 import numpy as np
 
-from .catalog import check_gguf_magic
+from .files import check_gguf_magic
 from .errors import LocalspecError
 
 # ---------------------------------------------------------------------------------------------
@@ -279,7 +279,9 @@ class ContextParams:
 class Context:
     """One sequence (seq 0) of KV cache over a Model, with the batch buffer reused for every decode.
 
-    Invariant: positions 0..n_past-1 of seq 0 are filled; decode() appends at n_past.
+    Invariant: `tokens` are the ids whose KV rows fill positions 0..n_past-1 of seq 0, in order;
+    decode() appends at n_past. Every change of the KV cache goes through this class, so `tokens`
+    is always what the cache holds, whatever raised in between.
     """
 
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
@@ -309,7 +311,12 @@ class Context:
         np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
-        self.n_past = 0
+        self.tokens: list = []
+
+    @property
+    def n_past(self) -> int:
+        """Positions filled in the KV cache."""
+        return len(self.tokens)
 
     def decode(self, tokens: Sequence[int], logits: str | Sequence[int] = "last") -> np.ndarray:
         """Append `tokens` at n_past and return logits for the chosen rows.
@@ -338,32 +345,71 @@ class Context:
             chunk = slice(start, min(n, start + self.n_batch))
             m = chunk.stop - chunk.start
             self._tok[:m] = tokens[chunk]
-            self._pos[:m] = np.arange(self.n_past, self.n_past + m)
+            self._pos[:m] = np.arange(self.n_past, self.n_past + m)  # n_past grows per chunk
             self._out[:m] = want[chunk]
             self._batch.n_tokens = m
             rc = C.llama_decode(self._ctx, self._batch)
             _state["decoded"] = True
             if rc != 0:
+                self._drop_failed_chunk()
                 raise LocalspecError(f"llama.cpp decode failed (code {rc}); the context may be full.")
-            self.n_past += m
+            self.tokens.extend(int(t) for t in tokens[chunk])
         if n_rows == 0:
             return np.empty((0, self.model.n_vocab), dtype=np.float32)
         ptr = C.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
 
+    def sync(self, tokens: Sequence[int]) -> tuple:
+        """Make the KV cache hold exactly `tokens`: keep the longest prefix it already holds,
+        drop the rest, evaluate what is missing. The last token is always evaluated, since its
+        logits row is returned. The one place KV prefix reuse is decided.
+        Returns (logits row [n_vocab] float32 view, number of rows reused).
+
+        Example: KV holds [5, 6, 7, 8]; sync([5, 6, 9]) drops the rows of 7 and 8, decodes 9
+        and returns (row of 9, 2).
+        """
+        if len(tokens) == 0:
+            raise ValueError("sync() needs at least one token")
+        common = 0
+        for held, wanted in zip(self.tokens, tokens):
+            if held != wanted:
+                break
+            common += 1
+        if not self.truncate(min(common, len(tokens) - 1)):
+            self.clear()              # the memory refuses partial removal: start over
+        reused = self.n_past
+        return self.decode(tokens[reused:], logits="last")[0], reused
+
     def truncate(self, n_keep: int) -> bool:
         """Drop KV rows at positions >= n_keep. Returns False when the model's memory refuses a
-        partial removal (recurrent/hybrid models); n_past is left unchanged then."""
+        partial removal (recurrent/hybrid models); the cache is left unchanged then."""
+        if n_keep < 0:
+            raise ValueError(f"truncate() needs n_keep >= 0, got {n_keep}")
         if n_keep >= self.n_past:
             return True
         ok = bool(C.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
         if ok:
-            self.n_past = n_keep
+            del self.tokens[n_keep:]
         return ok
 
     def clear(self) -> None:
         C.llama_memory_clear(self._mem, True)
-        self.n_past = 0
+        self.tokens = []
+
+    def reconcile(self) -> None:
+        """Make the cache agree with `tokens` after an interruption: a Ctrl-C that lands between
+        llama_decode returning and its rows being recorded leaves rows nobody knows about."""
+        held = int(C.llama_memory_seq_pos_max(self._mem, 0)) + 1     # 0 when empty
+        if held > self.n_past:
+            self._drop_failed_chunk()
+        elif held < self.n_past:
+            self.clear()
+
+    def _drop_failed_chunk(self) -> None:
+        """A failed llama_decode may leave part of its batch in the cache: keep the chunks that
+        succeeded (`tokens` already lists exactly those), or nothing if that is refused."""
+        if not bool(C.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)):
+            self.clear()
 
     def close(self) -> None:
         if self._ctx:

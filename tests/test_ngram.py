@@ -199,7 +199,7 @@ def test_match_is_frozen():
 
 def test_int32_arrays_pass_without_copy_and_strided_ones_work():
     tokens = np.arange(20, dtype=np.int32) % 4
-    with NgramIndex(capacity=1) as idx:                  # grows 1 -> 32
+    with NgramIndex(capacity=1, tie=TIE_RECENT) as idx:  # grows 1 -> 32
         idx.append(tokens[::2])                           # strided: 0 2 0 2 ...
         idx.append(tokens[:3])                            # 0 1 2
         assert len(idx) == 13

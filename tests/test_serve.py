@@ -109,7 +109,7 @@ def server(tiny_path, tmp_path_factory):
 
 
 def test_stdio_flag_is_required():
-    from localspec.serve import serve
+    from localspec.cli.serve import serve
 
     r = CliRunner().invoke(serve, ["-m", "unused.gguf"])
     assert r.exit_code == 2 and "--stdio" in r.output

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import click
 
-from localspec import catalog
-from localspec.errors import LocalspecError
+from .. import catalog
+from ..errors import LocalspecError
+from .options import COMMAND
 
 
 def _fail(error: LocalspecError) -> None:
@@ -18,7 +19,7 @@ def _fail(error: LocalspecError) -> None:
     click.get_current_context().exit(1)
 
 
-@click.group("models", context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("models", context_settings=COMMAND)
 def models() -> None:
     """List and download the catalog's GGUF models.
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import click
 
-from .cli_common import build_sampling, model_options, open_engine, sampling_options
-from .errors import LocalspecError
-from .summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summarizer, Summary,
+from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options
+from ..errors import LocalspecError
+from ..summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summarizer, Summary,
                         check_collisions, discover, parse_globs, run_batch)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.command(context_settings=COMMAND)
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, help="Write one file per input here, mirroring the input tree "

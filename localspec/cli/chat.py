@@ -7,8 +7,8 @@ from typing import Callable, Optional
 
 import click
 
-from .chat import ChatConfig, ChatLoop, ChatSession
-from .cli_common import build_sampling, model_options, open_engine, sampling_options
+from ..chat import ChatConfig, ChatLoop, ChatSession
+from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options
 
 MAX_TOKENS = 512
 
@@ -46,7 +46,7 @@ def _pipe_reader() -> Callable[[], Optional[str]]:
     return read
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.command(context_settings=COMMAND)
 @click.option("--system", default=None, help="System prompt (change it in the chat with /system).")
 @click.option("--stats", "show_stats", is_flag=True,
               help="Print acceptance and speed after every reply, and session totals at the end "

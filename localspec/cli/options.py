@@ -1,15 +1,24 @@
-"""Options shared by every command that generates text, and the objects they build.
+"""Options shared by every command that generates text, and the objects they build. Defaults come
+from the dataclasses they fill (SamplingParams, EngineConfig), so they live once.
 
 stdout carries only generated data; progress, statistics and errors go to stderr.
 """
 
 from __future__ import annotations
 
+import sys
+
 import click
 
-from .engine import Engine, EngineConfig
-from .policy import PolicyConfig
-from .sampling import SamplingParams
+from ..config import EngineConfig
+from ..engine import Engine
+from ..errors import LocalspecError
+from ..policy import PolicyConfig
+from ..sampling import SamplingParams
+
+COMMAND = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+SAMPLING = SamplingParams()      # the defaults every sampling option shows
+ENGINE = EngineConfig()
 
 
 def model_options(default_proposer: str = "ngram"):
@@ -40,11 +49,11 @@ def model_options(default_proposer: str = "ngram"):
                          help="Batch-invariant CPU kernels: speculative output is bit-for-bit "
                               "plain decoding's, at the cost of weight repacking (~20-40% slower). "
                               "Env: LOCALSPEC_EXACT=1."),
-            click.option("--ctx", "n_ctx", type=click.IntRange(64), default=4096,
+            click.option("--ctx", "n_ctx", type=click.IntRange(64), default=ENGINE.n_ctx,
                          show_default=True, help="Context size in tokens (prompt + output)."),
             click.option("--threads", type=click.IntRange(1), default=None,
                          help="CPU threads (default: all cores this process may use)."),
-            click.option("--gpu-layers", type=int, default=0, show_default=True,
+            click.option("--gpu-layers", type=int, default=ENGINE.n_gpu_layers, show_default=True,
                          help="Layers to offload to the GPU (CUDA/Metal builds); -1 = all."),
         ]
         for opt in reversed(opts):
@@ -59,16 +68,16 @@ def sampling_options(f):
     opts = [
         click.option("-n", "--max-tokens", type=click.IntRange(1), default=256, show_default=True,
                      help="Stop after this many generated tokens."),
-        click.option("-t", "--temperature", type=click.FloatRange(0.0), default=0.0,
+        click.option("-t", "--temperature", type=click.FloatRange(0.0), default=SAMPLING.temperature,
                      show_default=True, help="0 = greedy (deterministic); > 0 samples."),
-        click.option("--top-k", type=click.IntRange(0), default=40, show_default=True,
+        click.option("--top-k", type=click.IntRange(0), default=SAMPLING.top_k, show_default=True,
                      help="Keep the k most likely tokens (0 = off)."),
-        click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=0.95,
+        click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=SAMPLING.top_p,
                      show_default=True, help="Nucleus sampling mass (1.0 = off)."),
-        click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=0.05,
+        click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=SAMPLING.min_p,
                      show_default=True, help="Drop tokens below this fraction of the top "
                                              "probability (0 = off)."),
-        click.option("--repeat-penalty", type=click.FloatRange(0.0), default=1.0,
+        click.option("--repeat-penalty", type=click.FloatRange(0.0), default=SAMPLING.repeat_penalty,
                      show_default=True, help="Penalty for recently seen tokens (1.0 = off)."),
         click.option("--seed", type=int, default=None,
                      help="Random seed: the same seed gives the same text, with or without "
@@ -99,3 +108,26 @@ def open_engine(kw: dict) -> Engine:
                           policy=PolicyConfig(fixed_k=kw["fixed_k"]))
     return Engine(kw["model"], config, progress=lambda msg: click.echo(msg, err=True))
 
+
+def run_command(command: click.Command, argv=None, prog_name=None) -> None:
+    """Run a click command with localspec's rules: user errors are one line on stderr (exit 1),
+    Ctrl-C is "interrupted" (exit 130), never a traceback."""
+    try:
+        code = command.main(argv, prog_name=prog_name, standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)   # a command's ctx.exit(n) returns n
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except LocalspecError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
