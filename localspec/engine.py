@@ -32,6 +32,10 @@ from .textstream import TextStream
 __all__ = ["Engine", "EngineConfig", "Generation", "Prompt"]
 
 Prompt = Union[str, Sequence[dict], Sequence[int]]
+# Prompt tokens per decode call while prefilling: a cancel (Ctrl-C in chat, `cancel` in the
+# protocol) is seen between two chunks. Measured on SmolLM2-135M and Qwen2.5-Coder-1.5B, 2 threads:
+# see docs/benchmarks.md ("prefill chunk").
+PREFILL_CHUNK = 256
 
 
 @dataclass
@@ -103,6 +107,11 @@ class Engine:
         except Exception:
             self.close()
             raise
+        if self.ctx.n_ctx > self.model.n_ctx_train > 0:
+            print(f"localspec: warning: a context of {self.ctx.n_ctx} tokens is more than "
+                  f"{self.model.path.name} was trained on ({self.model.n_ctx_train}); output "
+                  "past that length may degrade. Lower --ctx unless you know it copes.",
+                  file=sys.stderr)
         self._cost = None
         self._draft_cost = 0.0
         self._can_rollback = True
@@ -184,9 +193,17 @@ class Engine:
         st.prompt_tokens = n_prompt
         start = time.perf_counter()
         try:
-            logits, reused = self.ctx.sync(req.history)
-            st.prefill_tokens = n_prompt - reused
+            logits, reused = self.ctx.sync(req.history, stop=cancel, chunk=PREFILL_CHUNK)
+            st.prefill_tokens = self.ctx.n_past - reused
             st.prefill_ms = 1000 * (time.perf_counter() - start)
+            if logits is None:                 # cancelled between two chunks of the prompt
+                return
+            if not np.isfinite(logits).all():
+                self.ctx.clear()               # rows computed from such weights are no use
+                raise LocalspecError(
+                    f"{self.model.path.name} produced NaN/infinite logits for this prompt: its "
+                    "weights are most likely corrupt. Check it with `localspec models verify`, "
+                    "then re-download (`localspec models pull NAME --force`) or replace the file.")
             emitted = [draw(target_dist(logits, req.sampling, req.history), req.stream.u(0, 0))]
             while True:
                 for tok in emitted:

@@ -45,7 +45,13 @@ def set_log_level(level: str = "error") -> None:
 
     Never stdout: the editor protocol owns stdout. Default from LOCALSPEC_LOG, else "error".
     """
-    level = os.environ.get("LOCALSPEC_LOG", level).lower()
+    level = os.environ.get("LOCALSPEC_LOG", level).strip().lower()
+    if level not in _LOG_LEVEL_NAMES and level != "none":
+        if not _log_state.get("warned"):
+            print(f"localspec: warning: unknown LOCALSPEC_LOG level {level!r} (use debug, info, "
+                  "warn, error or none); showing errors.", file=sys.stderr)
+            _log_state["warned"] = True
+        level = "error"
     _log_state["min_level"] = _LOG_LEVEL_NAMES.get(level, 99)
     if _log_state["callback"] is None:
         _log_state["callback"] = C.llama_log_callback(_on_log)
@@ -359,11 +365,12 @@ class Context:
         ptr = C.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
 
-    def sync(self, tokens: Sequence[int]) -> tuple:
+    def sync(self, tokens: Sequence[int], stop=None, chunk: int = 0) -> tuple:
         """Make the KV cache hold exactly `tokens`: keep the longest prefix it already holds,
         drop the rest, evaluate what is missing. The last token is always evaluated, since its
         logits row is returned. The one place KV prefix reuse is decided.
-        Returns (logits row [n_vocab] float32 view, number of rows reused).
+        Returns (logits row [n_vocab] float32 view, number of rows reused); the row is None when
+        `stop` (a threading.Event) was set between two chunks of `chunk` tokens (0: n_batch).
 
         Example: KV holds [5, 6, 7, 8]; sync([5, 6, 9]) drops the rows of 7 and 8, decodes 9
         and returns (row of 9, 2).
@@ -378,7 +385,14 @@ class Context:
         if not self.truncate(min(common, len(tokens) - 1)):
             self.clear()              # the memory refuses partial removal: start over
         reused = self.n_past
-        return self.decode(tokens[reused:], logits="last")[0], reused
+        step = min(chunk or self.n_batch, self.n_batch)
+        while len(tokens) - self.n_past > step:   # whole chunks before the last: no logits
+            if stop is not None and stop.is_set():
+                return None, reused
+            self.decode(tokens[self.n_past:self.n_past + step], logits="none")
+        if stop is not None and stop.is_set():
+            return None, reused
+        return self.decode(tokens[self.n_past:], logits="last")[0], reused
 
     def truncate(self, n_keep: int) -> bool:
         """Drop KV rows at positions >= n_keep. Returns False when the model's memory refuses a
@@ -396,10 +410,14 @@ class Context:
         C.llama_memory_clear(self._mem, True)
         self.tokens = []
 
+    def rows_held(self) -> int:
+        """KV rows llama.cpp holds for seq 0 (n_past, unless an interrupt broke bookkeeping)."""
+        return int(C.llama_memory_seq_pos_max(self._mem, 0)) + 1     # 0 when empty
+
     def reconcile(self) -> None:
         """Make the cache agree with `tokens` after an interruption: a Ctrl-C that lands between
         llama_decode returning and its rows being recorded leaves rows nobody knows about."""
-        held = int(C.llama_memory_seq_pos_max(self._mem, 0)) + 1     # 0 when empty
+        held = self.rows_held()
         if held > self.n_past:
             self._drop_failed_chunk()
         elif held < self.n_past:

@@ -13,13 +13,13 @@ import math
 import queue
 import sys
 import threading
-import traceback
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Union
 
 from . import __version__
 from .engine import Engine, Prompt
 from .errors import LocalspecError
+from .files import internal_error_line
 from .sampling import SamplingParams
 from .stats import GenerationStats
 
@@ -44,6 +44,18 @@ class RpcError(Exception):
     def __init__(self, code: int, message: str, id: Optional[RequestId] = None):
         super().__init__(message)
         self.code, self.message, self.id = code, message, id
+
+
+class DuplicateId(RpcError):
+    """A generate whose id an unfinished generate holds: the error response carries id null, so
+    a client routing responses by id cannot mistake it for the running request's answer."""
+
+
+def _bug(e: Exception) -> str:
+    """One stderr line for a bug (the traceback goes to a file) and the message for the client."""
+    line = internal_error_line(e)
+    print(f"localspec: {line}", file=sys.stderr)
+    return line
 
 
 @dataclass
@@ -238,10 +250,9 @@ class Server:
             result = handler(rid, params)
         except Exception as e:
             if not isinstance(e, RpcError):     # a bug: say so on stderr, keep serving
-                traceback.print_exc(file=sys.stderr)
-                e = RpcError(INTERNAL_ERROR, f"internal error: {type(e).__name__}: {e}")
+                e = RpcError(INTERNAL_ERROR, _bug(e))
             if rid is not NOTE:
-                self._error(rid, e.code, e.message)
+                self._error(None if isinstance(e, DuplicateId) else rid, e.code, e.message)
             return True
         if result is not DEFERRED and rid is not NOTE:
             self._send({"jsonrpc": "2.0", "id": rid, "result": result})
@@ -255,9 +266,9 @@ class Server:
         with self._lock:
             if self._closing:
                 raise RpcError(GENERATION_ERROR, "the server is shutting down")
-            if rid in self._jobs:
-                raise RpcError(INVALID_REQUEST, f"request id {json.dumps(rid)} is already used "
-                                                "by an unfinished generate")
+            if rid in self._jobs:      # answered with id null: that id is the running one's
+                raise DuplicateId(INVALID_REQUEST, f"request id {json.dumps(rid)} is already "
+                                                   "used by an unfinished generate")
             self._jobs[rid] = job
         self._queue.put(job)
         return DEFERRED
@@ -304,9 +315,7 @@ class Server:
         except LocalspecError as e:
             return self._finish(job, error=(GENERATION_ERROR, str(e)))
         except Exception as e:              # a bug: say so on stderr, keep serving
-            traceback.print_exc(file=sys.stderr)
-            return self._finish(job, error=(INTERNAL_ERROR, f"internal error: "
-                                                            f"{type(e).__name__}: {e}"))
+            return self._finish(job, error=(INTERNAL_ERROR, _bug(e)))
         self._finish(job, result(gen.text, gen.stats))
 
     def _finish(self, job: Job, result=None, error=None) -> None:

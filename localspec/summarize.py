@@ -288,7 +288,8 @@ def check_collisions(sources: Sequence[Source], out_dir: Path, fmt: str) -> None
 
 def render(src: Source, summary: Summary, fmt: str) -> str:
     if fmt == "jsonl":
-        return json.dumps({"path": src.display, "summary": summary.text, "chunks": summary.chunks,
+        return json.dumps({"path": src.display, "summary": summary.text,
+                           "finish_reason": summary.stats.stop_reason, "chunks": summary.chunks,
                            "calls": summary.calls, "stats": summary.stats.to_dict()},
                           ensure_ascii=False) + "\n"
     return summary.text + "\n"

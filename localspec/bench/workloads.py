@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import LocalspecError
+from ..text import read_text_file
 
 DEFAULT_WORKLOADS = Path(__file__).parent.parent / "data" / "workloads.jsonl"
 KINDS = ("code-edit", "summarize", "chat")
@@ -72,10 +73,7 @@ def load_workloads(path: Optional[Path] = None, kinds: Optional[Sequence[str]] =
     """Cases of a workloads JSONL file (default: the copy shipped with localspec), filtered by
     kind and id; in the order of `ids` when given, else in file order."""
     path = Path(path) if path else DEFAULT_WORKLOADS
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise LocalspecError(f"cannot read workloads file {path}: {e.strerror}.") from None
+    lines = read_text_file(path, "workloads file").splitlines()
     cases = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

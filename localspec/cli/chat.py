@@ -8,6 +8,8 @@ from typing import Callable, Optional
 import click
 
 from ..chat import ChatConfig, ChatLoop, ChatSession
+from ..errors import LocalspecError
+from ..text import check_utf8, decode_utf8
 from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options
 
 MAX_TOKENS = 512
@@ -32,6 +34,9 @@ def _terminal_reader(prompt: str) -> Callable[[], Optional[str]]:
         except EOFError:
             sys.stderr.write("\n")
             return None
+        except UnicodeDecodeError as e:     # the terminal sent bytes that are not UTF-8
+            raise LocalspecError(f"that line is not valid UTF-8 (byte 0x{e.object[e.start]:02x} "
+                                 f"at offset {e.start}); set the terminal to UTF-8.") from None
 
     return read
 
@@ -40,8 +45,8 @@ def _pipe_reader() -> Callable[[], Optional[str]]:
     """One message per line, no decorations."""
 
     def read() -> Optional[str]:
-        line = sys.stdin.readline()
-        return line if line else None
+        line = sys.stdin.buffer.readline()
+        return decode_utf8(line, "that line") if line else None
 
     return read
 
@@ -77,6 +82,7 @@ def chat(system, show_stats, **kw):
       printf 'Name three primes.\\nNow three more.\\n' | localspec chat > replies.txt
     """
     interactive = sys.stdin.isatty()
+    system = None if system is None else check_utf8(system, "--system")
     with open_engine(kw) as engine:
         engine.prepare()    # measure the cost curve now, not inside (and interruptible in) a reply
         config = ChatConfig(max_tokens=kw["max_tokens"], stop=tuple(kw["stop"]))

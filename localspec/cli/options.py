@@ -12,11 +12,15 @@ import click
 
 from ..config import EngineConfig
 from ..engine import Engine
+from ..llama import default_threads
 from ..errors import LocalspecError
+from ..files import internal_error_line
+from ..text import check_utf8, decode_utf8
 from ..policy import PolicyConfig
 from ..sampling import SamplingParams
 
 COMMAND = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+INTERNAL_ERROR_EXIT = 70         # sysexits.h EX_SOFTWARE: not the user's mistake
 SAMPLING = SamplingParams()      # the defaults every sampling option shows
 ENGINE = EngineConfig()
 
@@ -82,11 +86,23 @@ def sampling_options(f):
         click.option("--seed", type=int, default=None,
                      help="Random seed: the same seed gives the same text, with or without "
                           "speculation."),
-        click.option("--stop", multiple=True, help="Stop string (repeatable); not printed."),
+        click.option("--stop", multiple=True, callback=_utf8_values,
+                     help="Stop string (repeatable); not printed."),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def _utf8_values(_ctx, param, values):
+    return tuple(check_utf8(v, f"--{param.name}") for v in values)
+
+
+def text_arg(value: str, what: str) -> str:
+    """A text argument checked for bytes that are not UTF-8; `-` reads all of stdin."""
+    if value == "-":
+        return decode_utf8(sys.stdin.buffer.read(), "stdin")
+    return check_utf8(value, what)
 
 
 def build_sampling(kw: dict) -> SamplingParams:
@@ -101,6 +117,11 @@ def open_engine(kw: dict) -> Engine:
         None, click.core.ParameterSource.DEFAULT)
     if kw.get("draft") and not chosen:
         proposer = "hybrid"   # --draft without --proposer means: use the draft model too
+    usable = default_threads()
+    if kw["threads"] and kw["threads"] > usable:
+        click.echo(f"warning: --threads {kw['threads']} is more than the {usable} cores this "
+                   "process may use; llama.cpp's threads then wait on each other and decoding "
+                   f"slows down many times over (try --threads {usable}).", err=True)
     config = EngineConfig(proposer=proposer, draft=kw.get("draft"), n_ctx=kw["n_ctx"],
                           exact=kw.get("exact", False),
                           n_threads=kw["threads"],
@@ -111,7 +132,8 @@ def open_engine(kw: dict) -> Engine:
 
 def run_command(command: click.Command, argv=None, prog_name=None) -> None:
     """Run a click command with localspec's rules: user errors are one line on stderr (exit 1),
-    Ctrl-C is "interrupted" (exit 130), never a traceback."""
+    Ctrl-C is "interrupted" (exit 130), a bug is one line naming the file that holds its
+    traceback (exit 70, EX_SOFTWARE): never a traceback on the terminal."""
     try:
         code = command.main(argv, prog_name=prog_name, standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)   # a command's ctx.exit(n) returns n
@@ -131,3 +153,6 @@ def run_command(command: click.Command, argv=None, prog_name=None) -> None:
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
+    except Exception as e:            # a bug: one line here, the traceback in a file
+        click.echo(f"error: {internal_error_line(e)}", err=True)
+        sys.exit(INTERNAL_ERROR_EXIT)
