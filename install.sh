@@ -31,5 +31,5 @@ if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
   "$VPY" -m pip install -q --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-*.whl
   echo "$KEY" > "$VENV/.llama-build-key"
 fi
-"$VPY" -m pip install -q -e ".[test]"
+"$VPY" -m pip install -q -e ".[server,test]"
 echo "localspec installed in $VENV (llama.cpp: $("$VPY" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode().strip())'))" >&2
