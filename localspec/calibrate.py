@@ -71,9 +71,15 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
     except (OSError, ValueError, KeyError):
         pass
     if progress:
-        progress(f"measuring the verify cost curve of {ctx.model.path.name} on this device "
-                 "(once; cached)...")
+        who = f"{ctx.model.path.name} with {ctx.n_threads} thread{'s' * (ctx.n_threads != 1)}"
+        progress(f"localspec: re-timing batched verification of {who}..." if force else
+                 f"localspec: first speculative run of {who} here: timing batched verification "
+                 f"to pick draft lengths (once, up to a minute; cached in {path.parent}, later "
+                 "runs skip it)...")
+    started = time.perf_counter()
     curve = measure(ctx, k_max)
+    if progress:
+        progress(f"localspec: calibrated in {time.perf_counter() - started:.1f} s.")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
