@@ -22,6 +22,7 @@ from .engine import Engine, EngineConfig
 from .errors import LocalspecError
 from .llama import Model, ModelParams, enable_exact_kernels
 from .policy import PolicyConfig
+from .rpc import attach as attach_rpc
 from .sampling import SamplingParams, top2_gap
 from .stats import GenerationStats
 
@@ -385,6 +386,7 @@ class BenchSettings:
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
     exact: bool = False               # batch-invariant CPU kernels for every engine mode
+    rpc: tuple = ()                   # `localspec rpc-server`s holding the offloaded layers
     warmup: bool = True
 
 
@@ -399,6 +401,7 @@ class Bench:
         self.model_path = resolve_model(settings.target)
         if settings.exact:            # before any decode in this process; the peer shares it
             enable_exact_kernels()
+        attach_rpc(settings.rpc)      # process-wide: the peer's offloaded layers go there too
         self.model = Model(self.model_path, ModelParams(
             n_gpu_layers=settings.n_gpu_layers, use_extra_bufts=False if settings.exact else None))
         self.engines: dict = {}

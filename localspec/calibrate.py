@@ -15,15 +15,19 @@ import time
 from .catalog import localspec_home
 from .llama import Context, system_info, tiled_matmul_off
 from .policy import CostCurve
+from .rpc import attached as rpc_attached
 
 CALIBRATION_VERSION = 2
 
 
 def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
     st = ctx.model.path.stat()
-    ident = json.dumps([CALIBRATION_VERSION, str(ctx.model.path.resolve()), st.st_size,
-                        int(st.st_mtime), ctx.n_threads, n_gpu_layers, k_max, system_info(),
-                        ctx.model.repacked, tiled_matmul_off()])
+    ident = [CALIBRATION_VERSION, str(ctx.model.path.resolve()), st.st_size, int(st.st_mtime),
+             ctx.n_threads, n_gpu_layers, k_max, system_info(), ctx.model.repacked,
+             tiled_matmul_off()]
+    if n_gpu_layers and rpc_attached():    # layers on other hosts: another device entirely
+        ident.append(list(rpc_attached()))
+    ident = json.dumps(ident)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 

@@ -11,6 +11,7 @@ from .cli_common import build_sampling, model_options, open_engine, sampling_opt
 from .cli_bench import bench
 from .cli_chat import chat
 from .cli_models import models
+from .cli_rpc import rpc_server
 from .cli_summarize import summarize
 from .errors import LocalspecError
 from .serve import serve
@@ -85,7 +86,7 @@ def calibrate(**kw):
     from .calibrate import load_or_measure
 
     with open_engine({**kw, "proposer": "none"}) as engine:
-        curve = load_or_measure(engine.ctx, kw["gpu_layers"], force=True,
+        curve = load_or_measure(engine.ctx, engine.config.n_gpu_layers, force=True,
                                 progress=lambda m: click.echo(m, err=True))
     click.echo(f"one-token decode: {curve.ms_per_step:.1f} ms")
     click.echo("k:    " + " ".join(f"{k:>5}" for k in range(len(curve.ratios))))
@@ -115,7 +116,7 @@ def doctor(target, draft):
         sys.exit(1)
 
 
-for _command in (models, chat, serve, summarize, bench):
+for _command in (models, chat, serve, summarize, bench, rpc_server):
     cli.add_command(_command)
 
 

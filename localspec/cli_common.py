@@ -8,8 +8,18 @@ from __future__ import annotations
 import click
 
 from .engine import Engine, EngineConfig
+from .errors import LocalspecError
 from .policy import PolicyConfig
 from .sampling import SamplingParams
+
+
+def parse_rpc_option(_ctx, _param, value) -> tuple:
+    from .rpc import parse_servers
+
+    try:
+        return parse_servers(value) if value else ()
+    except LocalspecError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def model_options(default_proposer: str = "ngram"):
@@ -45,7 +55,14 @@ def model_options(default_proposer: str = "ngram"):
             click.option("--threads", type=click.IntRange(1), default=None,
                          help="CPU threads (default: all cores this process may use)."),
             click.option("--gpu-layers", type=int, default=0, show_default=True,
-                         help="Layers to offload to the GPU (CUDA/Metal builds); -1 = all."),
+                         help="Layers to offload to the GPU (CUDA/Metal builds) or the --rpc "
+                              "servers; -1 = all."),
+            click.option("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT]",
+                         callback=parse_rpc_option, envvar="LOCALSPEC_RPC",
+                         help="Put the model's layers on these `localspec rpc-server`s (llama.cpp's "
+                              "RPC backend; all layers unless --gpu-layers says how many). The "
+                              "protocol is unauthenticated: trusted networks only. "
+                              "Env: LOCALSPEC_RPC."),
         ]
         for opt in reversed(opts):
             f = opt(f)
@@ -92,10 +109,13 @@ def open_engine(kw: dict) -> Engine:
         None, click.core.ParameterSource.DEFAULT)
     if kw.get("draft") and not chosen:
         proposer = "hybrid"   # --draft without --proposer means: use the draft model too
+    layers = kw["gpu_layers"]
+    if kw.get("rpc") and layers == 0:
+        layers = -1           # --rpc alone: every layer on the RPC servers (0 would use none)
     config = EngineConfig(proposer=proposer, draft=kw.get("draft"), n_ctx=kw["n_ctx"],
                           exact=kw.get("exact", False),
                           n_threads=kw["threads"],
-                          n_gpu_layers=kw["gpu_layers"],
+                          n_gpu_layers=layers, rpc=kw.get("rpc") or (),
                           policy=PolicyConfig(fixed_k=kw["fixed_k"]))
     return Engine(kw["model"], config, progress=lambda msg: click.echo(msg, err=True))
 

@@ -21,6 +21,7 @@ from .llama import Context, ContextParams, Model, ModelParams, enable_exact_kern
 from .policy import DraftPolicy, PolicyConfig
 from .compat import check_pair
 from .proposers import EMPTY, DraftProposer, HybridProposer, NgramProposer
+from .rpc import attach as attach_rpc
 from .sampling import PositionStream, SamplingParams, draw, target_dist, top2_gap
 from .stats import GenerationStats
 from .textstream import TextStream
@@ -45,6 +46,7 @@ class EngineConfig:
     n_batch: int = 512
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
+    rpc: tuple = ()                       # HOST:PORT of `localspec rpc-server`s (see rpc.attach)
     exact: bool = False                   # batch-invariant CPU kernels: speculative == plain, bit for bit
     tie_margin: float = 0.25              # greedy, not exact: rows closer than this are re-decided
     ngram_min: int = 1
@@ -106,10 +108,14 @@ class Engine:
         self._own_model = not isinstance(target, Model)
         if config.exact:
             enable_exact_kernels()
+        attach_rpc(config.rpc)                # before any model loads: layers go to them first
         self._model_params = ModelParams(n_gpu_layers=config.n_gpu_layers,
                                          use_extra_bufts=False if config.exact else None)
         self.model = Model(resolve_model(str(target)), self._model_params) \
             if self._own_model else target
+        if config.rpc:          # say where the layers went: RPC is silent otherwise
+            print(f"localspec: {self.model.path.name}: "
+                  f"{self.model.placement or 'every layer on this machine'}", file=sys.stderr)
         try:
             self.ctx = Context(self.model, ContextParams(config.n_ctx, config.n_batch,
                                                          config.n_threads))

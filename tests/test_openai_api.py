@@ -1,12 +1,18 @@
-"""Pure parts of the HTTP server: request parsing, response shapes, addresses. No model needed."""
+"""Pure parts of the HTTP server and the RPC client: request parsing, response shapes, addresses,
+and the RPC handshake check against listeners that are not RPC servers. No model needed."""
 
 from __future__ import annotations
+
+import socket
+import threading
 
 import pytest
 
 from localspec.cli_http import is_loopback, model_names, parse_bind
+from localspec.errors import LocalspecError
 from localspec.openai_api import (ApiError, chunk, closing_chunks, full_response, parse_chat,
                                   parse_completion)
+from localspec.rpc import parse_servers, probe
 from localspec.stats import GenerationStats
 
 NAMES = ["tiny", "/models/tiny.gguf", "tiny.gguf"]
@@ -90,3 +96,47 @@ def test_bind_addresses_and_model_names():
     assert model_names("smollm2-135m", Path("/c/smollm2.gguf"))[0] == "smollm2-135m"
     assert model_names("/m/tiny.gguf", Path("/m/tiny.gguf")) == ["tiny", "/m/tiny.gguf",
                                                                  "tiny.gguf"]
+
+
+def test_rpc_server_lists():
+    assert parse_servers("a:1, 10.0.0.2:50052") == ("a:1", "10.0.0.2:50052")
+    for bad in ("a", "a:0", "a:b", "::1:5"):
+        with pytest.raises(LocalspecError):
+            parse_servers(bad)
+
+
+def _listener(reply: bytes):
+    """A loopback listener that answers every connection with `reply` and closes it."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(64)
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+def test_rpc_probe_refuses_what_is_not_an_rpc_server_instead_of_aborting():
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with pytest.raises(LocalspecError, match="cannot reach"):
+        probe(f"127.0.0.1:{port}", timeout=5)
+    for reply in (b"HTTP/1.1 400 Bad Request\r\n\r\n", b""):
+        srv = _listener(reply)
+        with srv, pytest.raises(LocalspecError, match="does not answer as a ggml RPC server"):
+            probe(f"127.0.0.1:{srv.getsockname()[1]}", timeout=5)
+    old = (28).to_bytes(8, "little") + bytes([3, 0, 0, 0]) + bytes(24)   # protocol 3.0.0
+    srv = _listener(old)
+    with srv, pytest.raises(LocalspecError, match="speaks protocol 3.0.0"):
+        probe(f"127.0.0.1:{srv.getsockname()[1]}", timeout=5)
