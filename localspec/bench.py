@@ -404,6 +404,8 @@ class Bench:
         attach_rpc(settings.rpc)      # process-wide: the peer's offloaded layers go there too
         self.model = Model(self.model_path, ModelParams(
             n_gpu_layers=settings.n_gpu_layers, use_extra_bufts=False if settings.exact else None))
+        if settings.rpc:
+            say(f"{self.model_path.name}: {self.model.placement or 'every layer on this machine'}")
         self.engines: dict = {}
         self.peers: dict = {}
         try:
