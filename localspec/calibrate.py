@@ -78,7 +78,7 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
         who = f"{ctx.model.path.name} with {ctx.n_threads} thread{'s' * (ctx.n_threads != 1)}"
         progress(f"localspec: re-timing batched verification of {who}..." if force else
                  f"localspec: first speculative run of {who} here: timing batched verification "
-                 f"to pick draft lengths (once, up to a minute; cached in {path.parent}, later "
+                 f"to pick draft lengths (once, about a minute; cached in {path.parent}, later "
                  "runs skip it)...")
     started = time.perf_counter()
     curve = measure(ctx, k_max)
