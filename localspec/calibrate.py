@@ -15,15 +15,19 @@ import time
 from .files import cache_dir
 from .llama import Context, system_info, tiled_matmul_off
 from .policy import CostCurve
+from .rpc import attached as rpc_attached
 
 CALIBRATION_VERSION = 2
 
 
 def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
     st = ctx.model.path.stat()
-    ident = json.dumps([CALIBRATION_VERSION, str(ctx.model.path.resolve()), st.st_size,
-                        int(st.st_mtime), ctx.n_threads, n_gpu_layers, k_max, system_info(),
-                        ctx.model.repacked, tiled_matmul_off()])
+    ident = [CALIBRATION_VERSION, str(ctx.model.path.resolve()), st.st_size, int(st.st_mtime),
+             ctx.n_threads, n_gpu_layers, k_max, system_info(), ctx.model.repacked,
+             tiled_matmul_off()]
+    if n_gpu_layers and rpc_attached():    # layers on other hosts: another device entirely
+        ident.append(list(rpc_attached()))
+    ident = json.dumps(ident)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -72,10 +76,15 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
         if progress:
             progress(f"the cached cost curve {path} is damaged; measuring it again.")
     if progress:
-        progress(f"measuring how batch size costs on this device for {ctx.model.path.name} "
-                 "(about half a minute on a small CPU; once per model, device and thread "
-                 f"count, then cached in {path.parent})...")
+        who = f"{ctx.model.path.name} with {ctx.n_threads} thread{'s' * (ctx.n_threads != 1)}"
+        progress(f"localspec: re-timing batched verification of {who}..." if force else
+                 f"localspec: first speculative run of {who} here: timing batched verification "
+                 f"to pick draft lengths (once, about a minute; cached in {path.parent}, later "
+                 "runs skip it)...")
+    started = time.perf_counter()
     curve = measure(ctx, k_max)
+    if progress:
+        progress(f"localspec: calibrated in {time.perf_counter() - started:.1f} s.")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
                                "model": str(ctx.model.path), "threads": ctx.n_threads}))

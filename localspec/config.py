@@ -27,6 +27,7 @@ class EngineConfig:
     n_batch: int = 512
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
+    rpc: tuple = ()                       # HOST:PORT of `localspec rpc-server`s (see rpc.attach)
     exact: bool = False                   # batch-invariant CPU kernels: speculative == plain, bit for bit
     tie_margin: float = 0.25              # greedy, not exact: rows closer than this are re-decided
     ngram_min: int = 1

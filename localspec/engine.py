@@ -97,7 +97,7 @@ class Engine:
         self.config = config
         self._progress = progress
         self._own_model = isinstance(target, (str, os.PathLike))
-        self.model = load_model(target, config.n_gpu_layers, config.exact) \
+        self.model = load_model(target, config.n_gpu_layers, config.exact, config.rpc) \
             if self._own_model else target
         self.proposer: Optional[Proposer] = None
         try:

@@ -16,6 +16,7 @@ from .errors import LocalspecError
 from .llama import ContextParams, Model, ModelParams, enable_exact_kernels
 from .policy import DraftPolicy
 from .proposers import DraftProposer, HybridProposer, NgramProposer, Proposer
+from .rpc import attach as attach_rpc
 
 
 def model_params(n_gpu_layers: int, exact: bool) -> ModelParams:
@@ -24,12 +25,19 @@ def model_params(n_gpu_layers: int, exact: bool) -> ModelParams:
 
 
 def load_model(target: Union[str, os.PathLike], n_gpu_layers: int = 0,
-               exact: bool = False) -> Model:
+               exact: bool = False, rpc: tuple = ()) -> Model:
     """Resolve a catalog name or path (pulling if needed) and load it; exact mode switches the
-    batch-invariant kernels on first, since ggml reads that switch at the first decode."""
+    batch-invariant kernels on first, since ggml reads that switch at the first decode. RPC
+    servers are attached before the load (process-wide), and where the layers went is said,
+    since RPC is otherwise silent."""
     if exact:
         enable_exact_kernels()
-    return Model(resolve_model(str(target)), model_params(n_gpu_layers, exact))
+    attach_rpc(rpc)
+    model = Model(resolve_model(str(target)), model_params(n_gpu_layers, exact))
+    if rpc:
+        print(f"localspec: {model.path.name}: {model.placement or 'every layer on this machine'}",
+              file=sys.stderr)
+    return model
 
 
 def context_params(config: EngineConfig) -> ContextParams:

@@ -31,6 +31,9 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     # level 5 is GGML_LOG_LEVEL_CONT: a continuation of the previous message; follow its filter.
     if level != 5:
         _log_state["last_shown"] = level >= _log_state["min_level"]
+    placement = _log_state.get("placement")
+    if placement is not None and text and (b"using device " in text or b"offloaded " in text):
+        placement.append(text.decode("utf-8", "replace"))   # a load says where layers go
     if _log_state.get("last_shown") and text:
         captured = _log_state.get("captured")
         if captured is not None:  # a load in progress: its errors become part of our message
@@ -67,6 +70,22 @@ def _ensure_backend() -> None:
         set_log_level(os.environ.get("LOCALSPEC_LOG", "error"))
         C.llama_backend_init()
         _backend_ready = True
+
+
+def ggml_function(name: str, restype, *argtypes):
+    """A function of ggml's exported C API, for what llama_cpp does not bind (RPC), with its
+    ctypes signature set. Looked up through libllama's handle, which also searches the ggml
+    libraries it was linked with: the very copies (and backend registry) llama.cpp uses. (The
+    wheel ships libggml.so and libggml.so.0 as two files; opening the first would load a second,
+    separate registry.)"""
+    _ensure_backend()
+    try:
+        fn = C.llama_cpp._lib[name]          # a fresh function object: llama_cpp's stay untouched
+    except AttributeError:
+        raise LocalspecError(f"this llama.cpp build does not export {name}; reinstall with "
+                             "./install.sh.") from None
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
 
 
 def system_info() -> str:
@@ -121,6 +140,17 @@ class ModelParams:
     use_extra_bufts: Optional[bool] = None
 
 
+def _placement(lines: list) -> str:
+    """Where llama.cpp put the layers, from its load log: e.g. "31/31 layers on RPC0
+    (10.0.0.2:50052)"; "" when every layer stayed on the CPU."""
+    devices = [line.split("using device ", 1)[1].split(" (unknown id)")[0].split(" - ")[0].strip()
+               for line in lines if "using device " in line]
+    counts = [line.split("offloaded ", 1)[1].split()[0] for line in lines if "offloaded " in line]
+    if not devices or not counts or counts[0].startswith("0/"):
+        return ""
+    return f"{counts[0]} layers on {', '.join(devices)}"
+
+
 def _check_gguf_file(path: Path) -> None:
     if not path.exists():
         raise LocalspecError(f"model file not found: {path}")
@@ -148,17 +178,19 @@ class Model:
                       file=sys.stderr)
         mp.use_extra_bufts = extra
         self.repacked = bool(extra)       # CPU weight repacking on: part of the speed identity
-        _log_state["captured"] = []
+        _log_state["captured"], _log_state["placement"] = [], []
         try:
             self._model = C.llama_model_load_from_file(str(self.path).encode(), mp)
         finally:
             captured = _log_state.pop("captured")
+            placement = _log_state.pop("placement")
         if not self._model:
             reason = next((line.split("error loading model:")[-1].strip()
                            for line in "".join(captured).splitlines()
                            if "error loading model" in line), "truncated, corrupt or unsupported")
             raise LocalspecError(f"llama.cpp could not load {self.path}: {reason}; re-pull the "
                                  "model or check the file.")
+        self.placement = _placement(placement)
         self._vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab: int = C.llama_vocab_n_tokens(self._vocab)
         self.bos: int = C.llama_vocab_bos(self._vocab)

@@ -112,6 +112,7 @@ class BenchSettings:
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
     exact: bool = False               # batch-invariant CPU kernels for every engine mode
+    rpc: tuple = ()                   # `localspec rpc-server`s holding the offloaded layers
     warmup: bool = True
 
 
@@ -124,7 +125,9 @@ class Bench:
         self.modes, self.settings, self.say, self.live = list(modes), settings, say, live
         self.rows: list = []
         # Exact mode is chosen before any decode in this process; the peer shares it.
-        self.model = load_model(settings.target, settings.n_gpu_layers, settings.exact)
+        # RPC servers are attached process-wide: the peer's offloaded layers go there too.
+        self.model = load_model(settings.target, settings.n_gpu_layers, settings.exact,
+                                settings.rpc)
         self.model_path = self.model.path
         self.engines: dict = {}
         self.peers: dict = {}

@@ -14,6 +14,7 @@ from .doctor import doctor
 from .generate import generate
 from .models import models
 from .options import COMMAND, run_command
+from .rpc_server import rpc_server
 from .serve import serve
 from .summarize import summarize
 
@@ -34,7 +35,7 @@ def cli():
     """
 
 
-for _command in (generate, calibrate, doctor, models, chat, serve, summarize, bench):
+for _command in (generate, calibrate, doctor, models, chat, serve, summarize, bench, rpc_server):
     cli.add_command(_command)
 
 

@@ -13,7 +13,7 @@ from ..bench import KINDS, Bench, BenchSettings, load_workloads, parse_modes, su
 from ..bench.report import format_rows, format_summary, plot_ratios, require_matplotlib
 from ..bench.runner import setup_record, write_json
 from ..sampling import SamplingParams
-from .options import COMMAND, SAMPLING, run_command
+from .options import COMMAND, SAMPLING, parse_rpc_option, run_command
 
 
 def _csv(_ctx, _param, value):
@@ -52,7 +52,12 @@ def _csv(_ctx, _param, value):
 @click.option("--threads", type=click.IntRange(1), default=None,
               help="CPU threads for every mode (default: all cores this process may use).")
 @click.option("--gpu-layers", type=int, default=0, show_default=True,
-              help="Layers to offload to the GPU (CUDA/Metal builds); -1 = all.")
+              help="Layers to offload to the GPU (CUDA/Metal builds) or the --rpc servers; "
+                   "-1 = all.")
+@click.option("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT]",
+              callback=parse_rpc_option,
+              help="Layers on these `localspec rpc-server`s, for every mode and the peer (all "
+                   "layers unless --gpu-layers says how many).")
 @click.option("--exact", is_flag=True, help="Batch-invariant CPU kernels for our modes (no weight "
               "repacking): speculative output is then plain output bit for bit, at some speed.")
 @click.option("--no-warmup", is_flag=True, help="Skip the warm-up request per mode.")
@@ -62,7 +67,7 @@ def _csv(_ctx, _param, value):
               default=None, help="Also draw a bar chart of ratios to plain (needs matplotlib: "
                                  "pip install 'localspec[plot]').")
 def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature, seed, top_k,
-          top_p, min_p, n_ctx, threads, gpu_layers, exact, no_warmup, json_path, plot_path):
+          top_p, min_p, n_ctx, threads, gpu_layers, rpc, exact, no_warmup, json_path, plot_path):
     """Benchmark decoding modes side by side on the same cases and the same model.
 
     Every case runs in every mode in one process, modes interleaved case by case after a warm-up,
@@ -87,7 +92,8 @@ def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature
                               seed=seed)
     uses_draft = any(m.proposer in ("draft", "hybrid") for m in mode_list)
     settings = BenchSettings(target, draft if uses_draft else None, sampling, max_tokens, n_ctx,
-                             threads, gpu_layers, exact, warmup=not no_warmup)
+                             threads, -1 if rpc and gpu_layers == 0 else gpu_layers, exact,
+                             warmup=not no_warmup, rpc=rpc)
     say = lambda msg: click.echo(_clear_live() + msg, err=True)
     live = _live_writer() if sys.stderr.isatty() else None
     started = datetime.datetime.now(datetime.timezone.utc)

@@ -18,7 +18,7 @@ def calibrate(**kw):
     model/device/threads on first use; run this on a quiet machine if that first run was noisy.
     """
     with open_engine({**kw, "proposer": "none"}) as engine:
-        curve = load_or_measure(engine.ctx, kw["gpu_layers"], force=True,
+        curve = load_or_measure(engine.ctx, engine.config.n_gpu_layers, force=True,
                                 progress=lambda m: click.echo(m, err=True))
     click.echo(f"one-token decode: {curve.ms_per_step:.1f} ms")
     click.echo("k:    " + " ".join(f"{k:>5}" for k in range(len(curve.ratios))))

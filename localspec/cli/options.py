@@ -17,12 +17,20 @@ from ..errors import LocalspecError
 from ..files import internal_error_line
 from ..text import check_utf8, decode_utf8
 from ..policy import PolicyConfig
+from ..rpc import parse_servers
 from ..sampling import SamplingParams
 
 COMMAND = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 INTERNAL_ERROR_EXIT = 70         # sysexits.h EX_SOFTWARE: not the user's mistake
 SAMPLING = SamplingParams()      # the defaults every sampling option shows
 ENGINE = EngineConfig()
+
+
+def parse_rpc_option(_ctx, _param, value) -> tuple:
+    try:
+        return parse_servers(value) if value else ()
+    except LocalspecError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def model_options(default_proposer: str = "ngram"):
@@ -58,7 +66,14 @@ def model_options(default_proposer: str = "ngram"):
             click.option("--threads", type=click.IntRange(1), default=None,
                          help="CPU threads (default: all cores this process may use)."),
             click.option("--gpu-layers", type=int, default=ENGINE.n_gpu_layers, show_default=True,
-                         help="Layers to offload to the GPU (CUDA/Metal builds); -1 = all."),
+                         help="Layers to offload to the GPU (CUDA/Metal builds) or the --rpc "
+                              "servers; -1 = all."),
+            click.option("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT]",
+                         callback=parse_rpc_option, envvar="LOCALSPEC_RPC",
+                         help="Put the model's layers on these `localspec rpc-server`s (llama.cpp's "
+                              "RPC backend; all layers unless --gpu-layers says how many). The "
+                              "protocol is unauthenticated: trusted networks only. "
+                              "Env: LOCALSPEC_RPC."),
         ]
         for opt in reversed(opts):
             f = opt(f)
@@ -122,10 +137,13 @@ def open_engine(kw: dict) -> Engine:
         click.echo(f"warning: --threads {kw['threads']} is more than the {usable} cores this "
                    "process may use; llama.cpp's threads then wait on each other and decoding "
                    f"slows down many times over (try --threads {usable}).", err=True)
+    layers = kw["gpu_layers"]
+    if kw.get("rpc") and layers == 0:
+        layers = -1           # --rpc alone: every layer on the RPC servers (0 would use none)
     config = EngineConfig(proposer=proposer, draft=kw.get("draft"), n_ctx=kw["n_ctx"],
                           exact=kw.get("exact", False),
                           n_threads=kw["threads"],
-                          n_gpu_layers=kw["gpu_layers"],
+                          n_gpu_layers=layers, rpc=kw.get("rpc") or (),
                           policy=PolicyConfig(fixed_k=kw["fixed_k"]))
     return Engine(kw["model"], config, progress=lambda msg: click.echo(msg, err=True))
 
