@@ -420,6 +420,9 @@ class Context:
             raise LocalspecError(f"a saved state of {n_tokens} tokens does not fit a context of "
                                  f"{self.n_ctx}; raise --ctx.")
         src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        # Seq 0 is all this context holds: start from an empty cache so the rows land in cells
+        # 0..n-1 as a fresh evaluation's would (the same cell layout, the same sums).
+        C.llama_memory_clear(self._mem, True)
         _log_state["captured"] = []   # llama.cpp says why it refuses; that goes in our message
         try:
             n = C.llama_state_seq_set_data(
