@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import struct
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -31,7 +30,10 @@ SUFFIX = ".lskv"
 
 
 class Rejected(Exception):
-    """A cache file that must not be loaded; the message says why, in a few words."""
+    """A cache file that must not be loaded; the message says why, in a few words. `inode`: the
+    file that was read, so that only that one is removed, not a newer one of the same name."""
+
+    inode: Optional[int] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,12 +72,13 @@ def model_identity(path: Path) -> str:
 def context_key(ctx: Context) -> str:
     """32 hex digits naming what a state of `ctx` can be loaded into: the model's identity and
     every setting that changes KV bytes or layout (KV type, flash attention's V layout, the
-    kernels that computed it, GPU offload, llama.cpp's build and state format). Not n_ctx: a
-    state fits any context with enough cells, which restore checks."""
+    kernels that computed it, GPU offload, llama.cpp's build and state format, this file
+    format). Not n_ctx: a state fits any context with enough cells, which restore checks."""
     model: Model = ctx.model
     parts = {"model": model_identity(model.path), "kv": "f16", "flash_attn": ctx.params.flash_attn,
              "repacked": model.repacked, "tiled_mm_off": tiled_matmul_off(),
-             "gpu_layers": model.n_gpu_layers, "llama": backend_version(), "build": system_info()}
+             "gpu_layers": model.n_gpu_layers, "llama": backend_version(), "build": system_info(),
+             "format": FORMAT_VERSION}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -106,23 +109,29 @@ def write_file(path: Path, key: str, tokens, data: np.ndarray, model_name: str,
     return _PREFIX.size + len(header) + toks.nbytes + data.size
 
 
-def read_header(f, size: int) -> tuple:
-    """(header dict, tokens [n] int32) of an open cache file of `size` bytes; Rejected if it is
-    not one, of another format version, or truncated. The payload is left unread."""
-    raw = f.read(_PREFIX.size)
-    if len(raw) < _PREFIX.size or raw[:8] != MAGIC:
-        raise Rejected("not a localspec prompt-cache file")
-    _, version, n_header = _PREFIX.unpack(raw)
-    if version != FORMAT_VERSION:
-        raise Rejected(f"format version {version}, this localspec reads {FORMAT_VERSION}")
+def read_header(f) -> tuple:
+    """(header dict, tokens [n] int32) of an open cache file; Rejected if it is not one, of
+    another format version, or truncated. The payload is left unread. Sizes come from the open
+    file itself: a path may be replaced by another process at any moment."""
+    st = os.fstat(f.fileno())
     try:
-        header = json.loads(f.read(n_header))
-        n_tokens, n_payload = int(header["n_tokens"]), int(header["payload_bytes"])
-    except (ValueError, KeyError, TypeError):
-        raise Rejected("its header is corrupt") from None
-    want = _PREFIX.size + n_header + 4 * n_tokens + n_payload
-    if size != want:
-        raise Rejected(f"truncated or padded ({size} bytes, its header says {want})")
+        raw = f.read(_PREFIX.size)
+        if len(raw) < _PREFIX.size or raw[:8] != MAGIC:
+            raise Rejected("not a localspec prompt-cache file")
+        _, version, n_header = _PREFIX.unpack(raw)
+        if version != FORMAT_VERSION:
+            raise Rejected(f"format version {version}, this localspec reads {FORMAT_VERSION}")
+        try:
+            header = json.loads(f.read(n_header))
+            n_tokens, n_payload = int(header["n_tokens"]), int(header["payload_bytes"])
+        except (ValueError, KeyError, TypeError):
+            raise Rejected("its header is corrupt") from None
+        want = _PREFIX.size + n_header + 4 * n_tokens + n_payload
+        if st.st_size != want:
+            raise Rejected(f"truncated or padded ({st.st_size} bytes, its header says {want})")
+    except Rejected as e:
+        e.inode = st.st_ino
+        raise
     tokens = np.frombuffer(f.read(4 * n_tokens), dtype="<i4").astype(np.int32)
     return header, tokens
 
@@ -131,17 +140,17 @@ def read_file(path: Path, key: Optional[str]) -> tuple:
     """(header, tokens, payload [n] uint8) of a cache file whose checksum holds; Rejected when
     it is corrupt or, with `key`, saved from another model or settings."""
     with open(path, "rb") as f:
-        header, tokens = read_header(f, os.fstat(f.fileno()).st_size)
-        if key is not None and header.get("key") != key:
-            raise Rejected(f"saved for another model or settings ({header.get('model', '?')})")
-        data = np.empty(int(header["payload_bytes"]), dtype=np.uint8)
-        f.readinto(memoryview(data))
-    digest = hashlib.sha256(tokens.astype("<i4").tobytes())
-    digest.update(memoryview(data))
-    if digest.hexdigest() != header.get("sha256"):
-        raise Rejected("checksum mismatch (corrupt)")
+        header, tokens = read_header(f)
+        try:
+            if key is not None and header.get("key") != key:
+                raise Rejected(f"saved for another model or settings ({header.get('model', '?')})")
+            data = np.empty(int(header["payload_bytes"]), dtype=np.uint8)
+            f.readinto(memoryview(data))
+            digest = hashlib.sha256(tokens.astype("<i4").tobytes())
+            digest.update(memoryview(data))
+            if digest.hexdigest() != header.get("sha256"):
+                raise Rejected("checksum mismatch (corrupt)")
+        except Rejected as e:
+            e.inode = os.fstat(f.fileno()).st_ino
+            raise
     return header, tokens, data
-
-
-def warn(path: Path, reason: str) -> None:
-    print(f"localspec: ignoring prompt cache file {path}: {reason}.", file=sys.stderr)

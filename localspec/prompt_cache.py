@@ -41,7 +41,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .cache_format import SUFFIX, Rejected, context_key, read_file, read_header, warn, write_file
+from .cache_format import (SUFFIX, Rejected, context_key, read_file, read_header,
+                           write_file)
 from .catalog import _exclusive_lock, localspec_home
 from .errors import LocalspecError
 from .llama import Context, Model
@@ -85,6 +86,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def _touch(path: Path) -> None:
+    """Mark a disk entry recently used (the disk budget evicts by mtime, oldest first)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
 def default_disk_dir() -> Path:
     """`<localspec_home()>/prompt-cache`: one folder per context key, plus `sessions/`."""
     return localspec_home() / "prompt-cache"
@@ -122,7 +131,6 @@ class PromptCache:
         self._next_id = 0
         self.used = 0                                # bytes of states held in RAM
         self._disk_index: dict = {}                  # path -> ((size, mtime_ns), Entry)
-        self._rejected: set = set()                  # (path, stamp) already warned about
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -208,7 +216,7 @@ class PromptCache:
         path = self._session_path(name)
         try:
             with open(path, "rb") as f:
-                header, tokens = read_header(f, os.fstat(f.fileno()).st_size)
+                header, tokens = read_header(f)
         except FileNotFoundError:
             saved = ", ".join(self.list_named()) or "none"
             raise LocalspecError(f"no saved session named {name!r} (saved: {saved}).") from None
@@ -265,18 +273,19 @@ class PromptCache:
         start = time.perf_counter()
         try:
             data = entry.data
-            if data is None:
-                _, tokens, data = read_file(entry.path, entry.key)
-                if not np.array_equal(tokens, entry.tokens):
-                    raise Rejected("replaced while being read")
-                os.utime(entry.path)                  # recently used: evicted last
+            if data is None:                          # (file names hash the tokens)
+                _, _, data = read_file(entry.path, entry.key)
+                _touch(entry.path)
             ctx.restore_state(data, len(entry.tokens))
         except Rejected as e:
-            warn(entry.path, str(e))
-            self._rejected.add((entry.path, self._disk_index.pop(entry.path, (None,))[0]))
+            self._discard(entry.path, e)
             ctx.clear()
             return None
-        except (OSError, LocalspecError) as e:       # evicted by another process; refused
+        except FileNotFoundError:                     # another process evicted it: no matter
+            self._disk_index.pop(entry.path, None)
+            ctx.clear()
+            return None
+        except (OSError, LocalspecError) as e:       # unreadable; refused by llama.cpp
             print(f"localspec: prompt cache: could not restore a saved state ({e}).",
                   file=sys.stderr)
             self._drop_entry(entry)
@@ -358,29 +367,40 @@ class PromptCache:
             path = Path(item.path)
             try:
                 st = item.stat()
+                known = self._disk_index.get(path)
+                if known is None or known[0] != (st.st_size, st.st_mtime_ns):
+                    known = self._disk_index[path] = self._read_index_entry(path, key)
+            except Rejected as e:
+                self._discard(path, e)
+                continue
             except FileNotFoundError:
                 continue
-            stamp = (st.st_size, st.st_mtime_ns)
-            known = self._disk_index.get(path)
-            if known is None or known[0] != stamp:
-                if (path, stamp) in self._rejected:
-                    continue
-                try:
-                    known = (stamp, self._read_index_entry(path, key, st.st_size))
-                except Rejected as e:
-                    warn(path, str(e))
-                    self._rejected.add((path, stamp))
-                    continue
-                except FileNotFoundError:
-                    continue
-                self._disk_index[path] = known
             found.append(known[1])
         return found
 
     @staticmethod
-    def _read_index_entry(path: Path, key: str, size: int) -> Entry:
+    def _read_index_entry(path: Path, key: str) -> tuple:
+        """((size, mtime_ns), Entry without its payload) of the file now at `path`."""
         with open(path, "rb") as f:
-            header, tokens = read_header(f, size)
+            st = os.fstat(f.fileno())
+            header, tokens = read_header(f)
         if header.get("key") != key:
-            raise Rejected(f"saved for another model or settings ({header.get('model', '?')})")
-        return Entry(key, tokens, None, path, int(header["payload_bytes"]))
+            e = Rejected(f"saved for another model or settings ({header.get('model', '?')})")
+            e.inode = st.st_ino
+            raise e
+        return (st.st_size, st.st_mtime_ns), Entry(key, tokens, None, path,
+                                                   int(header["payload_bytes"]))
+
+    def _discard(self, path: Path, why: Rejected) -> None:
+        """Say why a file in a cache folder is not loaded, and remove it (it can never load:
+        files appear there only by atomic rename, each folder holds one key), unless another
+        process has meanwhile put a new file under that name: the check and the removal happen
+        under the lock that writers hold while they rename."""
+        print(f"localspec: ignoring prompt cache file {path}: {why}.", file=sys.stderr)
+        self._disk_index.pop(path, None)
+        try:
+            with _exclusive_lock(self.disk_dir / ".lock"):
+                if why.inode is not None and path.stat().st_ino == why.inode:
+                    path.unlink()
+        except OSError:
+            pass
