@@ -118,7 +118,8 @@ class PromptCache:
     bounds that folder (named sessions excepted), least recently used files go first.
     min_tokens: shorter states are not kept. min_gain: a saved state is restored only when it
     reuses this many more prompt tokens than the live KV already holds.
-    One entry per document: a new state replaces older ones it shares more than half with.
+    One entry per document: a new state replaces an older one that it holds all but at most a
+    quarter of (see _covers); the live state is saved before a prompt would drop more of it.
     """
 
     def __init__(self, budget_mb: float, disk_dir: Optional[Path] = None, disk_mb: float = 2048,
@@ -152,11 +153,11 @@ class PromptCache:
         """
         limit = len(prompt) - 1
         live_ok = len(kv_tokens) == ctx.n_past
-        live = min(common_prefix(kv_tokens, prompt), limit) if live_ok else 0
-        key = context_key(ctx)
-        entry, common, source = self._best(key, prompt, ctx.n_ctx)
+        shared = common_prefix(kv_tokens, prompt) if live_ok else 0
+        live = min(shared, limit)
+        entry, common, source = self._best(context_key(ctx), prompt, ctx.n_ctx)
         common = min(common, limit)
-        if live_ok and ctx.n_past >= self.min_tokens and 2 * live < ctx.n_past:
+        if live_ok and not self._covers(shared, ctx.n_past):
             self.store(ctx, kv_tokens)    # the live state is another document: keep it first
         if entry is not None and common >= live + self.min_gain:
             reuse = self._restore(ctx, entry, common, source)
@@ -185,7 +186,7 @@ class PromptCache:
         if size > self.budget:
             return False
         for eid in [eid for eid, e in self._entries.items()
-                    if e.key == key and 2 * common_prefix(e.tokens, toks) > len(e.tokens)]:
+                    if e.key == key and self._covers(common_prefix(e.tokens, toks), len(e.tokens))]:
             old = self._entries[eid]                  # superseded: same document, older
             self._drop(eid)
             if old.path is not None:
@@ -196,6 +197,13 @@ class PromptCache:
         if self.disk_dir is not None:
             entry.path = self._write_disk(entry, ctx.model.path.name)
         return True
+
+    def _covers(self, shared: int, n_old: int) -> bool:
+        """Whether a state sharing `shared` leading tokens with an older one of `n_old` tokens
+        makes the older one not worth keeping: it would lose at most a quarter of its rows
+        (min_gain at least), e.g. the previous question and answer about the same document,
+        not another document after a long common system prompt."""
+        return n_old - shared <= max(self.min_gain, n_old // 4)
 
     # -- named sessions -------------------------------------------------------------------
     def save_named(self, name: str, ctx: Context, tokens: Sequence[int], meta: dict) -> Path:
@@ -236,9 +244,11 @@ class PromptCache:
         return session
 
     def list_named(self) -> list:
+        """Names of the saved sessions, sorted."""
         if self.disk_dir is None:
             return []
-        return sorted(p.name[:-len(SUFFIX)] for p in (self.disk_dir / "sessions").glob("*" + SUFFIX))
+        files = (self.disk_dir / "sessions").glob("*" + SUFFIX)
+        return sorted(p.name[:-len(SUFFIX)] for p in files)
 
     def _session_path(self, name: str) -> Path:
         if self.disk_dir is None:

@@ -86,7 +86,8 @@ class GenerationStats:
         """Add another request's counters into this one (session totals)."""
         for name in ("prompt_tokens", "prefill_tokens", "reused_tokens", "generated_tokens",
                      "steps", "spec_steps", "drafted", "accepted", "step_tokens", "rechecks",
-                     "prefill_ms", "restore_ms", "propose_ms", "verify_ms", "sample_ms", "total_ms"):
+                     "prefill_ms", "restore_ms", "propose_ms", "verify_ms", "sample_ms",
+                     "total_ms"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_pos, other.drafted_by_pos),
                              (self.accepted_by_pos, other.accepted_by_pos)):

@@ -7,7 +7,8 @@ and, with --compare-seq-cp, the design alternative the cache did not take: cache
 extra sequences of one unified KV cache and switched into seq 0 with llama_memory_seq_cp, whose
 switch is nearly free but whose cells every later decode attends over.
 
-Usage: .venv/bin/python scripts/prompt_cache_bench.py smollm2-135m -n 1000 --threads 2 --compare-seq-cp
+Usage (from the repository root, with its .venv):
+  python scripts/prompt_cache_bench.py smollm2-135m -n 1000 --threads 2 --compare-seq-cp
 Prints one JSON object (medians in ms) on stdout; record it with `uptime` load and the CPU model.
 """
 

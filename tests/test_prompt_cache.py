@@ -266,6 +266,18 @@ def test_a_newer_state_of_the_same_document_replaces_the_older(tiny_model):
         assert not cache.store(ctx, d + text_tokens(tiny_model, "second question"))  # held
 
 
+def test_documents_after_a_long_shared_system_prompt_are_kept_apart(tiny_model):
+    system = text_tokens(tiny_model, "You are a careful reviewer. " * 8, bos=True)
+    docs = [system + text_tokens(tiny_model, f"def {n}(): pass\n" * 6) for n in ("aa", "bb")]
+    assert len(system) > len(docs[0]) / 2                  # they share more than half
+    with Context(tiny_model, PARAMS) as ctx:
+        s = Session(PromptCache(64), ctx)
+        for d in docs + docs:
+            reuse, _ = s.prefill(d + [90])
+        assert reuse.source == "ram" and reuse.reused == len(docs[1])
+        assert len(s.cache) == 2
+
+
 def test_target_and_draft_contexts_share_one_cache(tiny_model, draft_model):
     """Entries are keyed by model: each context gets its own state back, bit-identical."""
     docs = [doc(tiny_model, name) for name in ("left", "right")]
