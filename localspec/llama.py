@@ -93,6 +93,11 @@ def system_info() -> str:
     return C.llama_print_system_info().decode("utf-8", "replace").strip()
 
 
+def backend_version() -> str:
+    """llama-cpp-python's version: saved KV states are only read back by the same one."""
+    return C.__version__
+
+
 def supports_gpu_offload() -> bool:
     return bool(C.llama_supports_gpu_offload())
 
@@ -178,6 +183,7 @@ class Model:
                       file=sys.stderr)
         mp.use_extra_bufts = extra
         self.repacked = bool(extra)       # CPU weight repacking on: part of the speed identity
+        self.n_gpu_layers = params.n_gpu_layers
         _log_state["captured"], _log_state["placement"] = [], []
         try:
             self._model = C.llama_model_load_from_file(str(self.path).encode(), mp)
@@ -212,6 +218,18 @@ class Model:
         buf = ctypes.create_string_buffer(4096)
         n = C.llama_model_meta_val_str(self._model, key.encode(), buf, 4096)
         return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V rows take in an f16 KV cache over all layers (an estimate
+        from the hyperparameters; Qwen2.5-1.5B: 28 layers x 2 x 2 KV heads x 128 x 2 B = 28 KiB)."""
+        n_layer = C.llama_model_n_layer(self._model)
+        n_head = max(1, C.llama_model_n_head(self._model))
+        n_head_kv = C.llama_model_n_head_kv(self._model)
+        arch = self.meta("general.architecture") or ""
+        head_k = int(self.meta(f"{arch}.attention.key_length") or
+                     C.llama_model_n_embd(self._model) // n_head)
+        head_v = int(self.meta(f"{arch}.attention.value_length") or head_k)
+        return n_layer * n_head_kv * (head_k + head_v) * 2
 
     def vocab_type(self) -> int:
         return int(C.llama_vocab_type(self._vocab))
@@ -324,6 +342,7 @@ class Context:
 
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
         self.model = model
+        self.params = params
         cp = C.llama_context_default_params()
         cp.n_ctx = params.n_ctx
         cp.n_batch = cp.n_ubatch = min(params.n_batch, params.n_ctx)
@@ -460,6 +479,62 @@ class Context:
         succeeded (`tokens` already lists exactly those), or nothing if that is refused."""
         if not bool(C.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)):
             self.clear()
+
+    # -- saved states (what the prompt cache keeps) ------------------------------------------
+    def state_size(self) -> int:
+        """Bytes save_state() writes now: seq 0's KV rows, their positions, a small header."""
+        return int(C.llama_state_seq_get_size(self._ctx, 0))
+
+    def save_state(self, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Copy seq 0's KV state (positions 0..n_past-1) out of llama.cpp.
+
+        out: a reusable uint8 buffer of at least state_size() bytes. Returns the filled bytes,
+        [state_size()] uint8. Logits are not saved: after restore_state(), decode at least one
+        token before sampling.
+        """
+        size = self.state_size()
+        if out is None:
+            out = np.empty(size, dtype=np.uint8)
+        elif out.dtype != np.uint8 or out.size < size or not out.flags.c_contiguous:
+            raise ValueError(f"save_state needs a contiguous uint8 buffer of {size} bytes")
+        dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        n = C.llama_state_seq_get_data(self._ctx, dst, size, 0)
+        if n != size:
+            raise LocalspecError(f"llama.cpp wrote {n} of {size} bytes of KV state.")
+        return out[:size]
+
+    def restore_state(self, data, tokens: Sequence[int]) -> None:
+        """Replace seq 0 with a state save_state() took from a context of the same model and
+        settings that held `tokens`; they become `self.tokens`.
+
+        data: bytes or a uint8 array. Raises LocalspecError, leaving the context empty, when
+        llama.cpp refuses the state (other layer count, KV types, too few cells) or the state
+        does not hold exactly positions 0..n_tokens-1.
+        """
+        n_tokens = len(tokens)
+        if n_tokens > self.n_ctx:
+            self.clear()
+            raise LocalspecError(f"a saved state of {n_tokens} tokens does not fit a context of "
+                                 f"{self.n_ctx}; raise --ctx.")
+        src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        # Seq 0 is all this context holds: start from an empty cache so the rows land in cells
+        # 0..n-1 as a fresh evaluation's would (the same cell layout, the same sums).
+        C.llama_memory_clear(self._mem, True)
+        _log_state["captured"] = []   # llama.cpp says why it refuses; that goes in our message
+        try:
+            n = C.llama_state_seq_set_data(
+                self._ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), src.size, 0)
+        finally:
+            captured = _log_state.pop("captured")
+        lo = C.llama_memory_seq_pos_min(self._mem, 0)
+        hi = C.llama_memory_seq_pos_max(self._mem, 0)
+        if n == 0 or (n_tokens and (lo, hi) != (0, n_tokens - 1)) or (not n_tokens and hi >= 0):
+            self.clear()
+            why = " ".join(line.split(":", 1)[-1].strip() for line in "".join(captured)
+                           .splitlines() if line.strip()) or \
+                f"it holds positions {lo}..{hi}, not 0..{n_tokens - 1}"
+            raise LocalspecError(f"llama.cpp refused a saved KV state: {why}.")
+        self.tokens = [int(t) for t in tokens]
 
     def close(self) -> None:
         if self._ctx:
