@@ -74,6 +74,35 @@ class ChatSession:
         """Forget the turns; keep the system prompt and the session statistics."""
         self.turns = []
 
+    def save(self, name: str) -> None:
+        """Keep the conversation and its KV rows under `name` (the prompt cache's sessions), so
+        `localspec chat --resume NAME` continues it without re-reading it."""
+        cache = self.engine.cache
+        if cache is None or cache.disk_dir is None:
+            raise LocalspecError("saving a chat needs the prompt cache on disk: start the chat "
+                                 "with --save NAME or --resume NAME.")
+        cache.save_named(name, self.engine.ctx, {"system": self.system,
+                                                 "turns": [list(t) for t in self.turns]})
+
+    def resume(self, name: str) -> str:
+        """Load the conversation saved as `name`; its KV rows come back when the model and
+        settings match (else the next message re-reads it). Returns a line for the user."""
+        cache = self.engine.cache
+        if cache is None or cache.disk_dir is None:
+            raise LocalspecError("resuming a chat needs the prompt cache (drop --cache-mb 0).")
+        session = cache.load_named(name, self.engine.ctx)
+        turns, system = session.meta.get("turns"), session.meta.get("system")
+        if not (isinstance(turns, list) and all(isinstance(t, list) and len(t) == 2 and
+                                                all(isinstance(x, str) for x in t) for t in turns)
+                and (system is None or isinstance(system, str))):
+            raise LocalspecError(f"the saved chat {name!r} does not hold a conversation; start "
+                                 "a new one or pick another name.")
+        self.turns, self.system = [tuple(t) for t in turns], system
+        how = (f"its {session.reuse.reused} tokens of KV restored in "
+               f"{session.reuse.restore_ms:.0f} ms" if session.reuse.reused else
+               "the next message re-reads it")
+        return f"resumed {name!r}: {_plural(len(self.turns), 'turn')}, {how}."
+
     def set_system(self, text: Optional[str]) -> None:
         self.system = text.replace("\0", "") if text else None
 
@@ -182,6 +211,7 @@ commands:
   /system TEXT   replace the system prompt (the history is kept); /system alone shows it,
                  /system - removes it
   /reset         forget the conversation (the system prompt and session stats stay)
+  /save [NAME]   save the chat and its KV state (`localspec chat --resume NAME` continues it)
   /exit          quit (or Ctrl-D)
   /help          this list
 Ctrl-C stops a reply (what was written stays in the history); //text sends "/text"."""
@@ -227,6 +257,7 @@ class ChatLoop:
                  guard: Callable[[threading.Event], ContextManager] = sigint_cancels):
         self.session, self.read_line, self.out, self.err = session, read_line, out, err
         self.interactive, self.show_stats, self.guard = interactive, show_stats, guard
+        self.save_as: Optional[str] = None     # where /save (no name) and the exit save go
 
     def run(self) -> None:
         while True:
@@ -269,6 +300,18 @@ class ChatLoop:
         elif name == "/reset":
             s.reset()
             self._say("conversation cleared.")
+        elif name == "/save":
+            target = arg or self.save_as
+            if not target:
+                self._say("/save NAME saves the chat (resume it with `localspec chat --resume "
+                          "NAME`).")
+            else:
+                try:
+                    s.save(target)
+                    self.save_as = target
+                    self._say(f"saved as {target!r}.")
+                except LocalspecError as e:
+                    self._say(f"error: {e}")
         elif name == "/system":
             if not arg:
                 self._say(f"system prompt: {s.system}" if s.system else "no system prompt.")

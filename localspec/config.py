@@ -28,6 +28,9 @@ class EngineConfig:
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
     rpc: tuple = ()                       # HOST:PORT of `localspec rpc-server`s (see rpc.attach)
+    cache_mb: Optional[float] = None      # RAM for saved prompt KV states (prompt_cache.py);
+                                          # None: two full contexts' worth, 0: no prompt cache
+    cache_disk: bool = False              # also keep them under <home>/prompt-cache (restarts)
     exact: bool = False                   # batch-invariant CPU kernels: speculative == plain, bit for bit
     tie_margin: float = 0.25              # greedy, not exact: rows closer than this are re-decided
     ngram_min: int = 1

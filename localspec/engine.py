@@ -20,9 +20,10 @@ import numpy as np
 from .calibrate import load_or_measure
 from .config import EngineConfig
 from .errors import LocalspecError
-from .factory import context_params, fit_to_device, load_model, make_proposer
+from .factory import context_params, fit_to_device, load_model, make_cache, make_proposer
 from .llama import Context, Model
 from .policy import DraftPolicy, PolicyConfig
+from .prompt_cache import PromptCache
 from .proposers import EMPTY, Proposal, Proposer
 from .sampling import PositionStream, SamplingParams, draw, target_dist
 from .stats import GenerationStats
@@ -100,10 +101,13 @@ class Engine:
         self.model = load_model(target, config.n_gpu_layers, config.exact, config.rpc) \
             if self._own_model else target
         self.proposer: Optional[Proposer] = None
+        self.cache: Optional[PromptCache] = None
         try:
             self.ctx = context if context is not None else \
                 Context(self.model, context_params(config))
-            self.proposer = proposer if proposer is not None else make_proposer(config, self.model)
+            self.cache = make_cache(config, self.model)
+            self.proposer = proposer if proposer is not None else \
+                make_proposer(config, self.model, self.cache)
         except Exception:
             self.close()
             raise
@@ -171,6 +175,16 @@ class Engine:
         if self.proposer is not None:
             self._policy(None)
 
+    def keep_live_state(self) -> None:
+        """Save the live KV state in the prompt cache (on disk too when it has a folder), e.g.
+        before a server exits, so the next process finds the last document it read."""
+        if self.cache is None:
+            return
+        try:
+            self.cache.store(self.ctx)
+        except (OSError, LocalspecError) as e:
+            print(f"localspec: could not save the prompt state ({e}).", file=sys.stderr)
+
     def close(self) -> None:
         if self.proposer is not None:
             self.proposer.close()
@@ -193,8 +207,12 @@ class Engine:
         st.prompt_tokens = n_prompt
         start = time.perf_counter()
         try:
+            # A saved state holding more of the prompt than the live KV is restored first.
+            reuse = self.cache.prepare(self.ctx, req.history) if self.cache is not None else None
             logits, reused = self.ctx.sync(req.history, stop=cancel, chunk=PREFILL_CHUNK)
             st.prefill_tokens = self.ctx.n_past - reused
+            st.record_reuse(reuse.source if reuse else "context", reused,
+                            reuse.restore_ms if reuse else 0.0)
             st.prefill_ms = 1000 * (time.perf_counter() - start)
             if logits is None:                 # cancelled between two chunks of the prompt
                 return

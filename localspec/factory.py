@@ -1,6 +1,7 @@
 """Builds what an Engine runs from its config: the target model (with exact-mode kernels when
-asked), the context settings, and the proposer, loading the draft model and checking that it can
-draft for the target. Also decides, once the cost curve is known, whether a draft model can pay.
+asked), the context settings, the prompt cache, and the proposer, loading the draft model and
+checking that it can draft for the target. Also decides, once the cost curve is known, whether a
+draft model can pay.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from .catalog import resolve_model
 from .compat import check_pair
 from .config import PROPOSERS, EngineConfig
 from .errors import LocalspecError
+from .files import cache_dir
 from .llama import ContextParams, Model, ModelParams, enable_exact_kernels
 from .policy import DraftPolicy
+from .prompt_cache import PromptCache, default_budget_mb
 from .proposers import DraftProposer, HybridProposer, NgramProposer, Proposer
 from .rpc import attach as attach_rpc
 
@@ -44,8 +47,19 @@ def context_params(config: EngineConfig) -> ContextParams:
     return ContextParams(config.n_ctx, config.n_batch, config.n_threads)
 
 
-def make_proposer(config: EngineConfig, target: Model) -> Optional[Proposer]:
-    """The configured proposer (None for plain decoding); loads and checks the draft model."""
+def make_cache(config: EngineConfig, target: Model) -> Optional[PromptCache]:
+    """The prompt cache the engine and a draft model share (None when cache_mb is 0)."""
+    if config.cache_mb == 0:
+        return None
+    budget = config.cache_mb if config.cache_mb is not None else \
+        default_budget_mb(target, config.n_ctx)
+    return PromptCache(budget, cache_dir("prompt-cache") if config.cache_disk else None)
+
+
+def make_proposer(config: EngineConfig, target: Model,
+                  cache: Optional[PromptCache] = None) -> Optional[Proposer]:
+    """The configured proposer (None for plain decoding); loads and checks the draft model,
+    which keeps its prompt states in `cache` beside the target's."""
     if config.proposer not in PROPOSERS:
         raise LocalspecError(f"unknown proposer {config.proposer!r}; "
                              "use ngram, draft, hybrid or none.")
@@ -56,14 +70,15 @@ def make_proposer(config: EngineConfig, target: Model) -> Optional[Proposer]:
     if not config.draft:
         raise LocalspecError(f"--proposer {config.proposer} needs a draft model: "
                              "pass --draft MODEL (e.g. --draft default-draft).")
-    draft = load_draft(config, target)
+    draft = load_draft(config, target, cache)
     if config.proposer == "draft":
         return draft
     return HybridProposer(NgramProposer(config.ngram_min, config.ngram_max, config.ngram_tie),
                           draft)
 
 
-def load_draft(config: EngineConfig, target: Model) -> DraftProposer:
+def load_draft(config: EngineConfig, target: Model,
+               cache: Optional[PromptCache] = None) -> DraftProposer:
     layers = config.n_gpu_layers if config.draft_gpu_layers is None else config.draft_gpu_layers
     model = Model(resolve_model(config.draft), model_params(layers, config.exact))
     try:
@@ -74,7 +89,7 @@ def load_draft(config: EngineConfig, target: Model) -> DraftProposer:
                 f"{report.problems[0]}; use a draft of the same model family (same tokenizer), "
                 "or see `localspec doctor`.")
         return DraftProposer(model, context_params(config), target.n_vocab,
-                             config.draft_min_confidence, layers)
+                             config.draft_min_confidence, layers, cache)
     except Exception:
         model.close()
         raise

@@ -127,8 +127,9 @@ class DraftProposer(Proposer):
     uses_draft_model = True
 
     def __init__(self, model: Model, params: ContextParams, n_vocab_target: int,
-                 min_confidence: float = 0.0, n_gpu_layers: int = 0):
+                 min_confidence: float = 0.0, n_gpu_layers: int = 0, cache=None):
         self.model = model
+        self.cache = cache                        # a PromptCache shared with the target, or None
         self.ctx = Context(model, params)
         # Draft ids the target does not have are never proposed: logits are cut to shared ids.
         self.n_shared = min(n_vocab_target, model.n_vocab)
@@ -144,7 +145,10 @@ class DraftProposer(Proposer):
         self._sampling = sampling or SamplingParams()
         self._rng = np.random.default_rng(seed ^ 0x5EED)   # independent of the target's stream
         # Prompt processing for the draft belongs with the target's prefill (time to first
-        # token); left to the first proposal it would stall decoding for a whole prefill.
+        # token); left to the first proposal it would stall decoding for a whole prefill. A
+        # prompt seen before comes back from the cache, as the target's does.
+        if self.cache is not None:
+            self.cache.prepare(self.ctx, self._history)
         self.ctx.sync(self._history)
 
     def propose(self, policy: DraftPolicy, room: int) -> Proposal:

@@ -206,7 +206,10 @@ class Summarizer:
         self._budgets: dict = {}
 
     def messages(self, body: str, reduce: bool = False) -> list:
-        head = f"{REDUCE_NOTE} {self.instruction}" if reduce else self.instruction
+        """One user message, the instruction first: every call of a run (each chunk, each
+        document, the reduce step) then begins with the same tokens, whose KV rows the engine
+        reuses instead of reading them again."""
+        head = f"{self.instruction}\n\n{REDUCE_NOTE}" if reduce else self.instruction
         return [{"role": "user", "content": f"{head}\n\n{body}"}]
 
     def count(self, text: str) -> int:

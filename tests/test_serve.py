@@ -320,3 +320,22 @@ def test_shutdown_answers_last_and_exits_0(tiny_path, tmp_path):
     assert srv.recv() == {"jsonrpc": "2.0", "id": sid, "result": None}
     assert srv.proc.wait(timeout=15) == 0
     srv.close()
+
+
+def test_alternating_documents_read_only_their_new_tokens(server):
+    """An editor session: three documents, four questions each, alternating. Prompts put the
+    document first and the question last, so after a document's first request every later one
+    reuses its rows (restored from the prompt cache) and evaluates only the question."""
+    docs = [f"# file {name}\n" + "".join(f"def {name}_{i}(x):\n    return x * {i}\n"
+                                         for i in range(12)) for name in ("alpha", "beta", "gamma")]
+    questions = ["What does it do?", "Any bugs?", "Name the functions.", "Shorter, please."]
+    for round_, question in enumerate(questions):
+        for d in docs:
+            stats = server.call("generate", {"prompt": f"{d}\nQ: {question}\nA:",
+                                             "max_tokens": 2})["result"]["stats"]
+            if round_ == 0:
+                continue
+            new = len(f"\nQ: {question}\nA:".encode())      # byte tokens on the tiny model
+            assert stats["prefill_tokens"] <= new + 1, stats
+            assert stats["reused_tokens"] >= len(d.encode()), stats
+            assert stats["reuse_source"] in ("ram", "disk"), stats

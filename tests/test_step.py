@@ -197,7 +197,7 @@ class ScriptedProposer(Proposer):
 
 
 def scripted_engine(ctx, proposer):
-    config = EngineConfig(policy=PolicyConfig(fixed_k=8), n_ctx=ctx.n_ctx)
+    config = EngineConfig(policy=PolicyConfig(fixed_k=8), n_ctx=ctx.n_ctx, cache_mb=0)
     return Engine(ScriptedModel(), config, proposer=proposer, context=ctx)
 
 

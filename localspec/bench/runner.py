@@ -139,6 +139,7 @@ class Bench:
                     cfg = EngineConfig(proposer=m.proposer, draft=settings.draft,
                                        n_ctx=settings.n_ctx, n_threads=settings.n_threads,
                                        n_gpu_layers=settings.n_gpu_layers, exact=settings.exact,
+                                       cache_mb=0,    # every request starts cold
                                        policy=PolicyConfig(fixed_k=m.fixed_k))
                     self.engines[m.name] = Engine(self.model, cfg, progress=say)
         except Exception:

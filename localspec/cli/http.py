@@ -124,6 +124,7 @@ def run_http(kw: dict) -> None:
             server.run(sockets=[sock])
         finally:
             worker.stop()
+            engine.keep_live_state()
 
 
 def _server_class(uvicorn):

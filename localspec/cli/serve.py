@@ -17,9 +17,12 @@ from .options import COMMAND, model_options, open_engine
 @click.command(context_settings=COMMAND)
 @click.option("--stdio", is_flag=True,
               help="Talk the editor protocol on stdin/stdout (docs/protocol.md).")
+@click.option("--no-disk-cache", is_flag=True,
+              help="Keep saved prompt states in RAM only (default: also under the cache "
+                   "directory, so a restarted server finds the documents it had read).")
 @http_options
 @model_options()
-def serve(stdio, **kw):
+def serve(stdio, no_disk_cache, **kw):
     """Serve a model: the editor protocol on stdin/stdout (--stdio), or an OpenAI-compatible HTTP
     API (--http [HOST:]PORT). Pass exactly one of the two.
 
@@ -27,6 +30,10 @@ def serve(stdio, **kw):
     "generate/progress" notifications, then responds with the text and statistics), cancel,
     shutdown. stdout carries protocol messages only; logs and errors go to stderr. EOF on stdin
     cancels any work and exits 0. Spec: docs/protocol.md.
+
+    Prompts that begin like an earlier one reuse its KV rows (the prompt cache, --cache-mb), also
+    across restarts: put what stays the same first (system text, then the document, then the
+    instruction) so repeated requests about a document read only their new tokens.
 
     --http: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models and
     /health, for the openai SDK, curl and editor plugins that take an OpenAI base URL. Binds
@@ -40,6 +47,7 @@ def serve(stdio, **kw):
     """
     if stdio == bool(kw["http_bind"]):
         raise click.UsageError("pass exactly one of --stdio and --http [HOST:]PORT.")
+    kw["cache_disk"] = not no_disk_cache
     set_log_level()
     if kw["http_bind"]:
         return run_http(kw)
@@ -47,3 +55,4 @@ def serve(stdio, **kw):
     with open_engine(kw) as engine:
         engine.prepare()   # calibrate now, not inside the first (uncancellable) request
         Server(engine, Writer(protocol_fd)).serve(read_lines(sys.stdin.fileno()))
+        engine.keep_live_state()
