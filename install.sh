@@ -1,94 +1,104 @@
 #!/usr/bin/env bash
 # Sets up localspec in ./.venv (or $LOCALSPEC_VENV): builds llama-cpp-python for this host
-# (flags from localspec/buildflags.py: no AMX crash, llamafile on, CUDA/Metal when present), plus
-# the llamafile-free copy of ggml-cpu that --exact loads (llama_cpp/lib-exact), caches both per
-# flag set so a rerun takes seconds, then installs localspec with its test extras.
+# (flags from localspec/buildflags.py: no AMX crash, CUDA/Metal when present) and the copy of its
+# libraries that --exact loads, caches both per flag set so a rerun takes seconds, then installs
+# localspec with its HTTP server and
+# test extras. pip's output goes to $VENV/install.log, never to stdout; a failure prints its tail.
 # Usage: ./install.sh            Env: PYTHON, LOCALSPEC_VENV, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS,
-#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_HOME (cache location),
-#                                     LOCALSPEC_EXACT_LIBS=0 (skip the --exact copy, ~1/8 of a build)
+#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_HOME (cache location)
 set -euo pipefail
 cd "$(dirname "$0")"
 LLAMA_CPP_PYTHON=0.3.36          # keep in step with pyproject.toml
 PY=${PYTHON:-python3}
 VENV=${LOCALSPEC_VENV:-.venv}
-JOBS=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)
 
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" >&2
 VPY="$VENV/bin/python"
+LOG="$VENV/install.log"
+: > "$LOG"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# Run a step with its output in $LOG; on failure say which step, where the log is, and its tail.
+quiet() {
+  local what=$1; shift
+  if ! "$@" >>"$LOG" 2>&1; then
+    echo "install.sh: $what failed; full log: $LOG" >&2
+    tail -n 30 "$LOG" | sed 's/^/  | /' >&2
+    exit 1
+  fi
+}
+
 ARGS=$("$VPY" localspec/buildflags.py --explain)
-EXACT_ARGS=$("$VPY" localspec/buildflags.py --exact)
 KEY=$("$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:12])' \
       "$LLAMA_CPP_PYTHON $(uname -s) $(uname -m) $ARGS")
 HOME_DIR=${LOCALSPEC_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}
 WHEELS="$HOME_DIR/wheels/llama-cpp-python-$LLAMA_CPP_PYTHON-$KEY"
-EXACT_CACHE="$WHEELS-exact"      # the llamafile-free libggml-cpu.* for this same flag set
-
-SRC=""                           # the pinned sdist, fetched at most once per run
-fetch_source() {
-  if [ -z "$SRC" ]; then
-    SRC=$(mktemp -d)
-    trap 'rm -rf "$SRC"' EXIT
-    "$VPY" -m pip download -q --no-deps --no-binary :all: -d "$SRC" "llama-cpp-python==$LLAMA_CPP_PYTHON"
-  fi
-}
-
-# Only ggml-cpu differs between the two builds (GGML_USE_LLAMAFILE is private to that target), so
-# the same sdist is configured with the same flags plus GGML_LLAMAFILE=OFF and only ggml-cpu is
-# compiled. Runs inside `if`, where set -e is off: every step checks itself.
-build_exact_cpu_lib() {
-  fetch_source || return 1
-  tar -xzf "$SRC"/llama_cpp_python-*.tar.gz -C "$SRC" || return 1
-  if ! command -v cmake >/dev/null || ! { command -v make || command -v ninja; } >/dev/null; then
-    "$VPY" -m pip install -q cmake ninja || return 1
-  fi
-  local gen=() log="$SRC/exact-build.log"
-  command -v ninja >/dev/null && gen=(-G Ninja)
-  echo "Building the llamafile-free ggml-cpu for --exact with: $EXACT_ARGS" >&2
-  # shellcheck disable=SC2086  # EXACT_ARGS is a list of -D flags
-  PATH="$PWD/$VENV/bin:$PATH" cmake -S "$(echo "$SRC"/llama_cpp_python-*/)" -B "$SRC/build" \
-    "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD=OFF $EXACT_ARGS >"$log" 2>&1 &&
-  PATH="$PWD/$VENV/bin:$PATH" cmake --build "$SRC/build" --target ggml-cpu -j "$JOBS" >>"$log" 2>&1 ||
-    { tail -20 "$log" >&2; return 1; }
-  rm -rf "$EXACT_CACHE.tmp" && mkdir -p "$EXACT_CACHE.tmp" &&
-  find "$SRC/build" \( -type f -o -type l \) \( -name 'libggml-cpu.so*' -o -name 'libggml-cpu*.dylib' \) \
-    -exec cp -a {} "$EXACT_CACHE.tmp/" \; &&
-  ls "$EXACT_CACHE.tmp"/libggml-cpu* >/dev/null 2>&1 &&
-  rm -rf "$EXACT_CACHE" && mv "$EXACT_CACHE.tmp" "$EXACT_CACHE"
-}
 
 if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
+  mkdir -p "$(dirname "$WHEELS")"
+  exec 9>"$WHEELS.lock"   # a second install.sh waits for the first one's build, then reuses it
+  if command -v flock >/dev/null && ! flock -n 9; then
+    echo "Waiting for another install.sh to finish building llama-cpp-python..." >&2
+    flock 9
+  fi
   if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    echo "Building llama-cpp-python $LLAMA_CPP_PYTHON (takes ~5 min on 2 cores) with: $ARGS" >&2
-    fetch_source
-    mkdir -p "$WHEELS.tmp"
-    CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
-      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" "$SRC"/llama_cpp_python-*.tar.gz
+    echo "Building llama-cpp-python $LLAMA_CPP_PYTHON (10-15 min on 2 cores; log: $LOG) with: $ARGS" >&2
+    rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
+    CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
+      quiet "building llama-cpp-python" \
+      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON"
     rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
   fi
-  "$VPY" -m pip install -q --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-*.whl
+  exec 9>&-
+  quiet "installing the llama-cpp-python wheel" \
+    "$VPY" -m pip install --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-*.whl
   echo "$KEY" > "$VENV/.llama-build-key"
 fi
-
-# llama_cpp/lib-exact: the wheel's libraries with the llamafile-free ggml-cpu in place of its own;
-# localspec points llama-cpp-python at it (LLAMA_CPP_LIB_PATH) in processes that ask for --exact.
-LIB=$("$VPY" -c 'import importlib.util as u, os; print(os.path.join(list(u.find_spec("llama_cpp").submodule_search_locations)[0], "lib"))')
-if [ "$(cat "$LIB-exact/.localspec-key" 2>/dev/null)" != "$KEY" ]; then
-  rm -rf "$LIB-exact"
-  if [ "${LOCALSPEC_EXACT_LIBS:-1}" != 0 ]; then
-    if ls "$EXACT_CACHE"/libggml-cpu* >/dev/null 2>&1 || build_exact_cpu_lib; then
-      rm -rf "$LIB-exact.tmp" && cp -a "$LIB" "$LIB-exact.tmp" && cp -a "$EXACT_CACHE"/libggml-cpu* "$LIB-exact.tmp/" &&
-        echo "$KEY" > "$LIB-exact.tmp/.localspec-key" && mv "$LIB-exact.tmp" "$LIB-exact"
-    else
-      echo "warning: the llamafile-free libraries did not build; --exact is unavailable until" \
-           "./install.sh succeeds at it (default mode is unaffected)." >&2
-    fi
+# --exact's libraries, llama_cpp/lib-exact: the wheel's own with a ggml-cpu built without
+# llamafile's tinyBLAS (docs/build.md). Only ggml-cpu differs (GGML_USE_LLAMAFILE is private to it),
+# so only it is compiled, from the same sdist and flags. LOCALSPEC_EXACT_LIBS=0 skips it (--exact
+# then refuses).
+# Runs in a subshell: a failure (quiet exits) leaves default mode installed, with a warning.
+build_exact_cpu_lib() {
+  src=$(mktemp -d); trap 'rm -rf "$src"' EXIT   # a subshell's globals: the trap still sees src
+  local args; args=$("$VPY" localspec/buildflags.py --exact)
+  echo "Building ggml-cpu without llamafile for --exact (~2 min on 2 cores) with: $args" >&2
+  command -v cmake >/dev/null || quiet "installing cmake" "$VPY" -m pip install cmake
+  quiet "downloading the llama-cpp-python source" \
+    "$VPY" -m pip download --no-deps --no-cache-dir -d "$src" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+  quiet "unpacking the llama-cpp-python source" tar -xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
+  # shellcheck disable=SC2086  # args is a list of -D flags
+  quiet "configuring ggml-cpu without llamafile" cmake -S "$(echo "$src"/llama_cpp_python-*/)" \
+    -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD=OFF $args
+  quiet "building ggml-cpu without llamafile" cmake --build "$src/build" --target ggml-cpu \
+    -j "$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)"
+  rm -rf "$WHEELS-exact.tmp" && mkdir -p "$WHEELS-exact.tmp"
+  find "$src/build" -name 'libggml-cpu*' \( -type f -o -type l \) \
+    -exec cp -a {} "$WHEELS-exact.tmp/" \;
+  ls "$WHEELS-exact.tmp"/libggml-cpu* >/dev/null &&
+    rm -rf "$WHEELS-exact" && mv "$WHEELS-exact.tmp" "$WHEELS-exact"
+}
+if [ "${LOCALSPEC_EXACT_LIBS:-1}" = 0 ]; then
+  "$VPY" localspec/libs.py remove
+elif [ "$("$VPY" localspec/libs.py key)" != "$KEY" ]; then
+  exec 9>"$WHEELS.lock"
+  if command -v flock >/dev/null && ! flock -n 9; then
+    echo "Waiting for another install.sh to finish building ggml-cpu for --exact..." >&2
+    flock 9
   fi
+  if ls "$WHEELS-exact"/libggml-cpu* >/dev/null 2>&1 ||
+     (PATH="$(cd "$VENV" && pwd)/bin:$PATH" build_exact_cpu_lib); then
+    quiet "laying out llama_cpp/lib-exact" "$VPY" localspec/libs.py install "$WHEELS-exact" "$KEY"
+  else
+    echo "install.sh: warning: --exact is unavailable until ./install.sh builds its libraries;" \
+         "default mode is installed." >&2
+  fi
+  exec 9>&-
 fi
-"$VPY" -m pip install -q -e ".[test]"
+echo "Installing localspec and its dependencies (log: $LOG)..." >&2
+quiet "installing localspec" "$VPY" -m pip install -e ".[server,test]"
 echo "localspec installed in $VENV (llama.cpp: $("$VPY" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode().strip())'))" >&2
-if [ -d "$LIB-exact" ]; then
-  echo "--exact libraries: $(LOCALSPEC_EXACT=1 "$VPY" -c 'from localspec import llama
-llama.enable_exact_kernels(); print(llama.system_info())' 2>&1 | tail -1)" >&2
+if [ -n "$("$VPY" localspec/libs.py key)" ]; then
+  echo "--exact loads: $(LOCALSPEC_EXACT=1 "$VPY" -c 'from localspec import llama
+llama.enable_exact_kernels(); print(llama.system_info())' 2>&1 | tail -n 1)" >&2
 fi

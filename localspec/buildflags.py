@@ -6,10 +6,12 @@ on Sapphire Rapids and newer (upstream llama.cpp issue 20824), and `-DGGML_AMX_*
 not help because -march=native turns AMX back on. So on x86 we build with GGML_NATIVE=OFF and
 name each instruction set the CPU has, AMX excluded; the repacked CPU kernels stay on.
 CUDA is enabled when nvcc and an NVIDIA GPU are both present, Metal on Apple Silicon.
-llamafile's tinyBLAS stays on (llama.cpp's default): without it prefill ran 0.85x llama.cpp's own
-build on a 2-core EPYC (docs/build.md). It serves only batches of 2+ rows, so with it a verify
-batch computes different logits from one-token decoding; `--exact` therefore loads a second copy
-of the one library it lives in (ggml-cpu), built with exact_cmake_args(): GGML_LLAMAFILE=OFF.
+llamafile's tinyBLAS stays on (llama.cpp's default): without it prefill ran 0.94x on a 2-core
+EPYC (docs/build.md). It serves only batches of 2+ rows, so with it a verify batch computes
+different logits from one-token decoding; `--exact` therefore loads a second copy of the one
+library it lives in (ggml-cpu), built with exact_cmake_args(): GGML_LLAMAFILE=OFF.
+ggml's RPC backend is built everywhere (GGML_RPC=ON): `--rpc` spreads a model's layers over
+`localspec rpc-server` processes on other hosts, and that server comes from this same build.
 
 Overrides: LOCALSPEC_CMAKE_ARGS replaces the choice entirely; CMAKE_ARGS is appended (later -D
 flags win); LOCALSPEC_CUDA=1/0 forces CUDA on/off.
@@ -52,8 +54,9 @@ def choose(system: str, machine: str, cpuinfo: str, nvcc: bool, gpu: bool,
     Example: Linux x86_64 with flags "avx avx2 fma f16c amx_tile", no GPU ->
     GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C=ON, the other listed sets OFF, AMX_*=OFF.
     """
-    args = ["-DGGML_LLAMAFILE=ON"]
-    why = ["llamafile tinyBLAS on: full prefill speed (--exact loads a llamafile-free ggml-cpu copy)"]
+    args = ["-DGGML_LLAMAFILE=ON", "-DGGML_RPC=ON"]
+    why = ["llamafile tinyBLAS on: full prefill speed (--exact loads a ggml-cpu built without it)",
+           "RPC backend on: --rpc and `localspec rpc-server` (a small library, no new dependency)"]
     if machine.lower() in ("x86_64", "amd64") and system != "Darwin":
         flags = cpu_flags(cpuinfo)
         args.append("-DGGML_NATIVE=OFF")

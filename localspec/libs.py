@@ -3,17 +3,22 @@ fastest prefill) or the llamafile-free copy that ./install.sh lays beside it for
 
 llama-cpp-python loads its libraries once, at `import llama_cpp`, from LLAMA_CPP_LIB_PATH if set;
 so the choice is made once per process, before that import (localspec/llama.py asks here first).
-Standard library only, and never imports llama_cpp itself.
+Standard library only and never imports llama_cpp, so install.sh runs it as a script to lay out
+the copy: `python localspec/libs.py install CPU_LIB_DIR KEY | key | remove`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
 EXACT_DIR = "lib-exact"          # beside llama_cpp/lib in the installed package
+KEY_FILE = ".localspec-key"      # the build key (install.sh's flag-set hash) it was made for
+CPU_LIB = "libggml-cpu"          # the one library that differs: GGML_USE_LLAMAFILE is private to it
 TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")   # what click accepts for LOCALSPEC_EXACT
 
 
@@ -30,31 +35,117 @@ def package_lib_dir() -> Optional[Path]:
     return Path(list(spec.submodule_search_locations)[0]) / "lib"
 
 
-def exact_lib_dir(environ=os.environ) -> Optional[Path]:
-    """The llamafile-free library folder: LOCALSPEC_EXACT_LIB, else llama_cpp/lib-exact; None when
-    it holds no llama library (install.sh was not run, or skipped it)."""
+def _llama_lib(folder: Path) -> Optional[Path]:
+    return next((p for p in sorted(folder.iterdir()) if p.name.startswith(("libllama.", "llama."))
+                 and not p.is_symlink()), None) if folder.is_dir() else None
+
+
+def exact_lib_status(environ=os.environ) -> tuple:
+    """(folder, problem): the llamafile-free library folder (LOCALSPEC_EXACT_LIB, else
+    llama_cpp/lib-exact) and "" when it is usable, else why not. A copy left from an earlier
+    llama-cpp-python install is not usable: its libllama must be the installed one's twin."""
     given = environ.get("LOCALSPEC_EXACT_LIB")
+    lib = package_lib_dir()
     if given:
-        folder = Path(given)
-    else:
-        lib = package_lib_dir()
-        if lib is None:
-            return None
-        folder = lib.parent / EXACT_DIR
-    has_llama = folder.is_dir() and any(p.name.startswith(("libllama.", "llama.")) for p in folder.iterdir())
-    return folder if has_llama else None
+        return Path(given), ("" if _llama_lib(Path(given)) else f"{given} holds no libllama")
+    if lib is None:
+        return None, "llama-cpp-python is not installed"
+    folder = lib.parent / EXACT_DIR
+    mine, theirs = _llama_lib(folder), _llama_lib(lib)
+    if mine is None:
+        return folder, f"{folder} is missing"
+    if theirs is None or mine.name != theirs.name or _stamp(mine) != _stamp(theirs):
+        return folder, f"{folder} is left from another llama-cpp-python install"
+    return folder, ""
+
+
+def _stamp(path: Path) -> tuple:
+    st = path.stat()
+    return st.st_size, int(st.st_mtime)
 
 
 def choose(exact: bool, environ=os.environ) -> str:
-    """Point llama-cpp-python at the libraries for this process; returns a one-line account.
-
+    """Point llama-cpp-python at the libraries for this process; returns which ones, as a phrase.
+    Without a usable copy an exact process loads the default libraries and the account says
+    why; llama.enable_exact_kernels() then refuses them if they have llamafile.
     A LLAMA_CPP_LIB_PATH the user set is never overridden."""
     if environ.get("LLAMA_CPP_LIB_PATH"):
-        return f"LLAMA_CPP_LIB_PATH given: {environ['LLAMA_CPP_LIB_PATH']}"
+        return f"the libraries in LLAMA_CPP_LIB_PATH={environ['LLAMA_CPP_LIB_PATH']}"
     if not exact:
-        return "default libraries"
-    folder = exact_lib_dir(environ)
-    if folder is None:
-        return "no llamafile-free libraries installed: default libraries"
+        return "the default libraries"
+    folder, problem = exact_lib_status(environ)
+    if problem:
+        return f"the default libraries ({problem})"
     environ["LLAMA_CPP_LIB_PATH"] = str(folder)
-    return f"exact mode: llamafile-free libraries from {folder}"
+    return f"the llamafile-free libraries in {folder}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Laying out the copy (install.sh)
+
+
+def install_exact(lib: Path, cpu_dir: Path, key: str) -> Path:
+    """Make lib-exact beside `lib`: every library of `lib` hard-linked (no disk cost, and the
+    twin check in exact_lib_status holds), except ggml-cpu, copied from `cpu_dir`. Built in a
+    temporary folder and renamed, so a half-made copy is never taken for a usable one."""
+    cpu_files = sorted(p for p in cpu_dir.iterdir() if p.name.startswith(CPU_LIB))
+    if not cpu_files:
+        raise SystemExit(f"error: no {CPU_LIB} library in {cpu_dir}")
+    final, tmp = lib.parent / EXACT_DIR, lib.parent / (EXACT_DIR + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for src in sorted(lib.iterdir()):
+        if src.name.startswith(CPU_LIB):
+            continue
+        _link_or_copy(src, tmp / src.name)
+    for src in cpu_files:
+        _link_or_copy(src, tmp / src.name, link=False)
+    (tmp / KEY_FILE).write_text(key + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def _link_or_copy(src: Path, dst: Path, link: bool = True) -> None:
+    if src.is_symlink():                       # libfoo.so -> libfoo.so.0: same relative link
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True)
+    else:
+        try:
+            if not link:
+                raise OSError
+            os.link(src, dst)
+        except OSError:                        # another filesystem, or a copy was asked for
+            shutil.copy2(src, dst)
+
+
+def installed_key() -> str:
+    lib = package_lib_dir()
+    try:
+        return (lib.parent / EXACT_DIR / KEY_FILE).read_text().strip() if lib else ""
+    except OSError:
+        return ""
+
+
+def remove_exact() -> None:
+    lib = package_lib_dir()
+    if lib is not None:
+        shutil.rmtree(lib.parent / EXACT_DIR, ignore_errors=True)
+
+
+def main(argv: list) -> int:
+    if argv[:1] == ["install"] and len(argv) == 3:
+        print(install_exact(package_lib_dir(), Path(argv[1]), argv[2]))
+    elif argv == ["key"]:
+        print(installed_key())
+    elif argv == ["remove"]:
+        remove_exact()
+    else:
+        print("usage: libs.py install CPU_LIB_DIR KEY | key | remove", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -25,15 +25,55 @@ def test_exact_request_words_follow_the_cli_flag_env_var():
 
 
 def test_choose_points_only_exact_processes_at_the_exact_folder(tmp_path):
-    (tmp_path / "libllama.so").write_bytes(b"")
+    (tmp_path / "libllama.so.0.5.0").write_bytes(b"")
     env = {"LOCALSPEC_EXACT_LIB": str(tmp_path)}
-    assert libs.choose(False, env) == "default libraries" and "LLAMA_CPP_LIB_PATH" not in env
-    assert "exact mode" in libs.choose(True, env) and env["LLAMA_CPP_LIB_PATH"] == str(tmp_path)
+    assert libs.choose(False, env) == "the default libraries" and "LLAMA_CPP_LIB_PATH" not in env
+    assert libs.choose(True, env) == f"the llamafile-free libraries in {tmp_path}"
+    assert env["LLAMA_CPP_LIB_PATH"] == str(tmp_path)
     mine = {"LOCALSPEC_EXACT_LIB": str(tmp_path), "LLAMA_CPP_LIB_PATH": "/opt/mine"}
-    libs.choose(True, mine)
+    assert "/opt/mine" in libs.choose(True, mine)
     assert mine["LLAMA_CPP_LIB_PATH"] == "/opt/mine"           # the user's choice wins
+    # Nothing usable: the default libraries, and the account says why (the error quotes it).
     empty = {"LOCALSPEC_EXACT_LIB": str(tmp_path / "nothing-here")}
-    assert "default" in libs.choose(True, empty) and "LLAMA_CPP_LIB_PATH" not in empty
+    account = libs.choose(True, empty)
+    assert account.startswith("the default libraries (") and "nothing-here" in account
+    assert "LLAMA_CPP_LIB_PATH" not in empty
+
+
+def fake_wheel_libs(folder: Path) -> None:
+    """The shape of the wheel's llama_cpp/lib: real files plus their soname links."""
+    folder.mkdir(parents=True)
+    for base, version in [("libllama", "0.5.0"), ("libggml", "0.25.3"), ("libggml-cpu", "0.25.3")]:
+        (folder / f"{base}.so.{version}").write_bytes(f"{base} with llamafile".encode())
+        (folder / f"{base}.so.0").symlink_to(f"{base}.so.{version}")
+        (folder / f"{base}.so").symlink_to(f"{base}.so.0")
+
+
+def test_install_exact_swaps_only_ggml_cpu_and_notices_a_reinstalled_wheel(tmp_path, monkeypatch):
+    lib, cpu = tmp_path / "llama_cpp" / "lib", tmp_path / "exact-cpu"
+    fake_wheel_libs(lib)
+    cpu.mkdir()
+    (cpu / "libggml-cpu.so.0.25.3").write_bytes(b"libggml-cpu without llamafile")
+    (cpu / "libggml-cpu.so.0").symlink_to("libggml-cpu.so.0.25.3")
+    monkeypatch.setattr(libs, "package_lib_dir", lambda: lib)
+    monkeypatch.delenv("LOCALSPEC_EXACT_LIB", raising=False)
+
+    folder, problem = libs.exact_lib_status()
+    assert problem == f"{folder} is missing"
+    made = libs.install_exact(lib, cpu, "key123")
+    assert made == folder == lib.parent / "lib-exact" and libs.installed_key() == "key123"
+    assert (made / "libggml-cpu.so.0").read_bytes() == b"libggml-cpu without llamafile"
+    assert (made / "libllama.so").read_bytes() == b"libllama with llamafile"   # links resolve here
+    assert (made / "libggml.so.0.25.3").samefile(lib / "libggml.so.0.25.3")   # hard link: no copy
+    assert (lib / "libggml-cpu.so").read_bytes() == b"libggml-cpu with llamafile"  # wheel untouched
+    assert libs.exact_lib_status() == (folder, "")
+
+    # llama-cpp-python reinstalled by other means: the copy no longer matches its bindings.
+    (lib / "libllama.so.0.5.0").unlink()
+    (lib / "libllama.so.0.5.0").write_bytes(b"a newer libllama")
+    assert "left from another llama-cpp-python install" in libs.exact_lib_status()[1]
+    libs.remove_exact()
+    assert not folder.exists() and libs.installed_key() == ""
 
 
 def child_env(**extra) -> dict:
@@ -49,7 +89,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 FEATURES = "from localspec import llama; print(llama.system_info())"
-exact_installed = libs.exact_lib_dir() is not None
+exact_installed = not libs.exact_lib_status()[1]
 needs_exact_libs = pytest.mark.skipif(
     not exact_installed and not os.environ.get("CI"),
     reason="no llama_cpp/lib-exact: ./install.sh was run with LOCALSPEC_EXACT_LIBS=0")
@@ -62,7 +102,7 @@ def test_exact_process_loads_the_same_build_without_llamafile():
                        "print(llama.system_info()); print(llama.library_account())")
     assert default.returncode == 0 and exact.returncode == 0, default.stderr + exact.stderr
     features, account = exact.stdout.strip().splitlines()
-    assert "LLAMAFILE" not in features and "exact mode" in account
+    assert "LLAMAFILE" not in features and account.startswith("the llamafile-free libraries in")
     # Same instruction sets, repacking and threading: only tinyBLAS is gone.
     assert features == re.sub(r" LLAMAFILE = 1 \|", "", default.stdout.strip())
 
@@ -100,3 +140,18 @@ def test_exact_mode_tests_pass_in_an_exact_process():
     passed = re.search(r"(\d+) passed", tail)
     assert passed and int(passed.group(1)) >= 1, tail
     assert "llamafile" not in tail                              # none skipped for the build
+
+
+def test_exact_without_its_libraries_is_one_error_line(tiny_path, tmp_path):
+    """No silent fallback: a process asking for --exact that cannot load llamafile-free
+    libraries stops with one line naming why, before generating anything."""
+    if "LLAMAFILE" not in run_python(FEATURES).stdout:
+        pytest.skip("this build has no llamafile: its default libraries are exact-capable")
+    out = subprocess.run([sys.executable, "-m", "localspec", "generate", "-m", str(tiny_path),
+                          "--exact", "-n", "4", "abc"], capture_output=True, text=True,
+                         env=child_env(LOCALSPEC_EXACT_LIB=str(tmp_path)), cwd=ROOT, timeout=600)
+    assert out.returncode == 1 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --exact needs llama.cpp's libraries"), \
+        out.stderr
+    assert f"{tmp_path} holds no libllama" in lines[0]
