@@ -9,7 +9,9 @@ from typing import Optional
 from .buildflags import cpu_flags
 from .catalog import resolve_model
 from .compat import check_pair
-from .llama import Model, build_has_amx, default_threads, supports_gpu_offload, system_info
+from .libs import exact_lib_status
+from .llama import (Model, build_has_amx, default_threads, library_account, supports_gpu_offload,
+                    system_info)
 
 
 def device_lines() -> list:
@@ -24,9 +26,13 @@ def device_lines() -> list:
         amx = "CPU has AMX; this build leaves the AMX kernels out (workaround in effect, repacking on)"
     else:
         amx = "no AMX on this CPU: nothing to work around"
+    features = system_info()                 # loads llama.cpp: the account below exists after it
+    folder, problem = exact_lib_status()
     return [
         f"platform: {platform.system()} {platform.machine()}, {default_threads()} usable cores",
-        f"llama.cpp features: {system_info()}",
+        f"llama.cpp libraries: {library_account()}",
+        f"--exact libraries: {problem or folder}",
+        f"llama.cpp features: {features}",
         f"GPU offload available: {'yes' if supports_gpu_offload() else 'no (CPU build)'}",
         f"AMX: {amx}",
     ]

@@ -19,7 +19,7 @@ from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import LocalspecError
 from ..factory import load_model
-from ..llama import default_threads, system_info
+from ..llama import default_threads, library_account, system_info
 from ..policy import PolicyConfig
 from ..sampling import SamplingParams, top2_gap
 from .peer import PEER_K, Peer
@@ -124,7 +124,8 @@ class Bench:
                  say: Say = lambda s: None, live: Optional[Say] = None):
         self.modes, self.settings, self.say, self.live = list(modes), settings, say, live
         self.rows: list = []
-        # Exact mode is chosen before any decode in this process; the peer shares it.
+        # Exact mode is chosen before any decode in this process; the peer shares it, and so its
+        # libraries (llamafile-free): one set of llama.cpp libraries per process.
         # RPC servers are attached process-wide: the peer's offloaded layers go there too.
         self.model = load_model(settings.target, settings.n_gpu_layers, settings.exact,
                                 settings.rpc)
@@ -278,7 +279,7 @@ def setup_record(b: Bench, settings: BenchSettings, started) -> dict:
         "exact": settings.exact,
         "cpu": cpu_model(), "cores": os.cpu_count(), "threads": b.n_threads,
         "platform": platform.platform(), "python": platform.python_version(),
-        "llama_cpp_system_info": system_info(),
+        "llama_cpp_system_info": system_info(), "llama_cpp_libraries": library_account(),
         "sampling": asdict(settings.sampling), "max_tokens_cap": settings.max_tokens,
         "n_ctx": settings.n_ctx, "n_gpu_layers": settings.n_gpu_layers,
         "verify_cost_curve": curve,

@@ -58,8 +58,11 @@ def _csv(_ctx, _param, value):
               callback=parse_rpc_option,
               help="Layers on these `localspec rpc-server`s, for every mode and the peer (all "
                    "layers unless --gpu-layers says how many).")
-@click.option("--exact", is_flag=True, help="Batch-invariant CPU kernels for our modes (no weight "
-              "repacking): speculative output is then plain output bit for bit, at some speed.")
+@click.option("--exact", is_flag=True, envvar="LOCALSPEC_EXACT",
+              help="Batch-invariant CPU kernels for our modes (no weight repacking, llama.cpp "
+                   "without llamafile's tinyBLAS): speculative output is then plain output bit "
+                   "for bit, at some speed. The peer runs on the same libraries. "
+                   "Env: LOCALSPEC_EXACT=1.")
 @click.option("--no-warmup", is_flag=True, help="Skip the warm-up request per mode.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write every row, the summary and the setup as JSON.")
