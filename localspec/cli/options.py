@@ -60,7 +60,8 @@ def model_options(default_proposer: str = "ngram"):
             click.option("--exact", is_flag=True, envvar="LOCALSPEC_EXACT",
                          help="Batch-invariant CPU kernels: speculative output is bit-for-bit "
                               "plain decoding's, at the cost of weight repacking (~20-40% slower). "
-                              "Env: LOCALSPEC_EXACT=1."),
+                              "Loads llama.cpp's libraries without llamafile (install.sh builds "
+                              "them). Env: LOCALSPEC_EXACT=1."),
             click.option("--ctx", "n_ctx", type=click.IntRange(64), default=ENGINE.n_ctx,
                          show_default=True, help="Context size in tokens (prompt + output)."),
             click.option("--threads", type=click.IntRange(1), default=None,
