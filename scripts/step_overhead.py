@@ -1,0 +1,281 @@
+"""Per-step Python overhead of speculative decoding: time inside llama.cpp vs everything else.
+
+On a GPU a 1.5B decode step takes a few milliseconds, so what Python does around it (propose,
+batch setup, logits rows, sampler chain per row, verification, bookkeeping) becomes a large
+share. This drives the real engine with a fixed k and times it from outside: llama_decode and
+llama_get_logits (which waits for the GPU) are "device" time, everything else in a step is
+overhead. A scripted proposer makes every step draft exactly k tokens:
+
+  accept   drafts the reference (plain greedy) output: every row is verified, k+1 tokens a step
+  reject   drafts a wrong first token: k+1 rows decoded, verification stops at row 0
+
+    python scripts/step_overhead.py MODEL.gguf [--ks 0,4,8,16] [--tokens 128] [--gpu-layers -1]
+    python scripts/step_overhead.py --tiny ...            # the test suite's tiny model (sub-ms decode)
+    ... --fast            prototype_step below (localspec/fastpath.py) instead of Engine._step
+    ... --profile N       cProfile the k=N accept run; top functions by own time to stderr
+    ... --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+from localspec import llama
+from localspec.engine import Engine, EngineConfig
+from localspec.fastpath import greedy_verify
+from localspec.policy import PolicyConfig
+from localspec.proposers import EMPTY, Proposal
+from localspec.sampling import SamplingParams
+
+PROMPTS = [
+    "Rewrite this function with type hints:\ndef add(a, b):\n    return a + b\n",
+    "Summarize in two sentences: speculative decoding drafts tokens cheaply and verifies them "
+    "in one batch, keeping only what the model agrees with.",
+]
+
+
+class ScriptedProposer:
+    """Drafts exactly k tokens per step from a known continuation: the right ones ("accept") or
+    a wrong first token ("reject"). Same lifecycle as the real proposers."""
+
+    name = "scripted"
+
+    def __init__(self, reference: list, mode: str, n_vocab: int):
+        self.reference, self.mode, self.n_vocab, self.pos = reference, mode, n_vocab, 0
+
+    def begin(self, history, document=None, sampling=None, seed: int = 0) -> None:
+        self.pos = 0
+
+    def propose(self, policy, room: int) -> Proposal:
+        k = policy.choose_k("scripted", available=room)
+        drafts = self.reference[self.pos:self.pos + k]
+        if not drafts:
+            return EMPTY
+        if self.mode == "reject":
+            drafts = [(drafts[0] + 1) % self.n_vocab] + drafts[1:]
+        return Proposal(list(drafts), None, "scripted")
+
+    def accept(self, tokens) -> None:
+        self.pos += len(tokens)
+
+    def close(self) -> None:
+        pass
+
+
+class DeviceClock:
+    """Wraps llama_decode and llama_get_logits (through llama.py's handle on llama_cpp) and sums
+    the time spent inside them. On CUDA llama_decode may return before the GPU is done;
+    llama_get_logits synchronizes, so the two together are the device's share."""
+
+    NAMES = ("llama_decode", "llama_get_logits")
+
+    def __init__(self):
+        self.seconds, self.calls, self._saved = 0.0, 0, {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            real = getattr(llama.C, name)
+            self._saved[name] = real
+            setattr(llama.C, name, self._timed(real))
+        return self
+
+    def _timed(self, real):
+        def call(*args):
+            t = time.perf_counter()
+            try:
+                return real(*args)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+        return call
+
+    def __exit__(self, *exc):
+        for name, real in self._saved.items():
+            setattr(llama.C, name, real)
+
+
+def prototype_step(engine, req) -> list:
+    """Engine._step with greedy verification by fastpath.greedy_verify: one argmax per row read,
+    the guard's margin from that argmax, rows past the first rejection never read, no Dist or
+    random numbers; sampled decoding and drafts with probabilities take the engine's own path.
+    A sketch for the step module to adopt; the bookkeeping after verification is the engine's."""
+    if not req.sampling.greedy:
+        return type(engine)._step(engine, req)
+    clock = time.perf_counter
+    t0 = clock()
+    room = engine.ctx.n_ctx - engine.ctx.n_past - 1
+    proposal = engine.proposer.propose(req.policy, room) \
+        if req.policy is not None and room > 0 and not req.recheck else EMPTY
+    if proposal.p_draft is not None:
+        raise ValueError("prototype_step: greedy drafts are point masses")
+    drafts, k = proposal.tokens, len(proposal.tokens)
+    n_past, req.recheck = engine.ctx.n_past, False
+    t1 = clock()
+    rows = engine.ctx.decode([req.history[-1], *drafts], logits="all")   # [k + 1, n_vocab] f32
+    t2 = clock()
+    s = req.sampling
+    recent = req.history[-s.repeat_last_n:] if s.repeat_penalty != 1.0 else []
+    margin = 0.0 if engine.config.exact else engine.config.tie_margin
+    verdict = greedy_verify(rows, drafts, s, recent, margin)
+    emitted = verdict.emitted(drafts)
+    req.recheck = verdict.tie is not None
+    if not engine.ctx.truncate(n_past + 1 + verdict.kept):
+        engine._rollback_refused(req, emitted)
+    if k == 0 and proposal.shadow is not None:
+        req.policy.observe(proposal.policy_key, 1, int(proposal.shadow == emitted[0]))
+    elif req.policy is not None:
+        req.policy.observe(proposal.policy_key, k, verdict.n_accepted)
+    st = req.stats
+    st.record_step(proposal.source, k, min(verdict.n_accepted, len(emitted)))
+    st.rechecks += verdict.tie is not None
+    st.step_tokens += len(emitted)
+    st.propose_ms += 1000 * (t1 - t0)
+    st.verify_ms += 1000 * (t2 - t1)
+    st.sample_ms += 1000 * (clock() - t2)
+    return emitted
+
+
+def timed_steps(engine: Engine, clock: DeviceClock, step=None) -> dict:
+    """Replace engine._step (this instance only) with a wrapper that sums each step's wall time
+    and the device time inside it. `step` is an alternative step function(engine, req)."""
+    totals = {"steps": 0, "wall": 0.0, "device": 0.0}
+    inner = types.MethodType(step, engine) if step else engine._step
+
+    def wrapped(req):
+        d0, t0 = clock.seconds, time.perf_counter()
+        out = inner(req)
+        totals["wall"] += time.perf_counter() - t0
+        totals["device"] += clock.seconds - d0
+        totals["steps"] += 1
+        return out
+    engine._step = wrapped
+    return totals
+
+
+def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
+    """One generation at fixed k; returns its per-step numbers in milliseconds."""
+    if k:
+        engine.proposer = ScriptedProposer(reference, mode, engine.model.n_vocab)
+    step = prototype_step if fast else None
+    with DeviceClock() as clock:
+        totals = timed_steps(engine, clock, step)
+        engine.reset()
+        prof = cProfile.Profile() if profile else None
+        gen = engine.generate(prompt, sampling, max_tokens=len(reference), speculate=k > 0,
+                              policy=PolicyConfig(k_max=max(k, 1), fixed_k=k))
+        if prof:
+            prof.enable()
+        tokens = gen.complete_tokens()
+        if prof:
+            prof.disable()
+    del engine._step
+    st, n = gen.stats, max(totals["steps"], 1)
+    loop_wall = (st.total_ms - st.prefill_ms) / 1000      # every step plus the loop around them
+    return {
+        "steps": totals["steps"], "tokens": len(tokens), "identical": tokens == reference,
+        "tokens_per_step": st.step_tokens / n,
+        "device_ms": 1000 * totals["device"] / n,
+        "overhead_ms": 1000 * (loop_wall - totals["device"]) / n,
+        "propose_ms": st.propose_ms / n,
+        "decode_python_ms": (st.verify_ms - 1000 * totals["device"]) / n,
+        "verify_sample_ms": st.sample_ms / n,
+        "loop_ms": 1000 * (loop_wall - totals["wall"]) / n,
+    }, prof
+
+
+def tiny_model(folder: Path) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tinymodel import make_tiny_gguf
+    return make_tiny_gguf(folder / "tiny.gguf", seed=0, logit_scale=3.0)
+
+
+def measure(model: str, ks, n_tokens, gpu_layers, threads, penalty, fast, profile_k, reps):
+    sampling = SamplingParams(temperature=0.0, repeat_penalty=penalty)
+    cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, n_gpu_layers=gpu_layers,
+                       policy=PolicyConfig(k_max=max(max(ks), 1)))
+    rows, profile_text = [], ""
+    with Engine(model, cfg) as engine:
+        ngram = engine.proposer                  # put back before close, which closes it
+        refs = [engine.generate(p, sampling, max_tokens=n_tokens, speculate=False)
+                .complete_tokens() for p in PROMPTS]
+        for k in ks:
+            for mode in (("plain",) if k == 0 else ("accept", "reject")):
+                runs = []
+                for _ in range(reps):       # keep each prompt's best: noise only adds time
+                    for prompt, ref in zip(PROMPTS, refs):
+                        want = profile_k == k and mode == "accept" and not profile_text
+                        r, prof = run_case(engine, prompt, ref, k, mode, sampling, fast, want)
+                        runs.append(r)
+                        if prof:
+                            out = io.StringIO()
+                            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+                            profile_text = out.getvalue()
+                best = {}
+                for key in runs[0]:
+                    vals = [r[key] for r in runs]
+                    best[key] = min(vals) if key.endswith("_ms") else (
+                        all(vals) if key == "identical" else sum(vals) / len(vals))
+                rows.append({"k": k, "mode": mode, **best})
+        engine.proposer = ngram
+    return rows, profile_text
+
+
+def report(rows, label: str) -> None:
+    print(f"# {label}")
+    print(f"{'k':>3} {'mode':7} {'tok/step':>8} {'device':>8} {'overhead':>8} {'propose':>8} "
+          f"{'decode.py':>9} {'verify':>8} {'loop':>7}  share of a 3 / 5 ms step  same")
+    for r in rows:
+        share = [r["overhead_ms"] / (g + r["overhead_ms"]) for g in (3.0, 5.0)]
+        print(f"{r['k']:>3} {r['mode']:7} {r['tokens_per_step']:8.2f} {r['device_ms']:8.3f} "
+              f"{r['overhead_ms']:8.3f} {r['propose_ms']:8.3f} {r['decode_python_ms']:9.3f} "
+              f"{r['verify_sample_ms']:8.3f} {r['loop_ms']:7.3f}  {100 * share[0]:5.1f}% / "
+              f"{100 * share[1]:4.1f}%     {'yes' if r['identical'] else 'NO'}")
+    print("(milliseconds per step; device = llama_decode + llama_get_logits; overhead = step "
+          "wall time + loop - device)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--tiny", action="store_true", help="use the test suite's tiny model")
+    ap.add_argument("--ks", default="0,4,8,16")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--gpu-layers", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeat-penalty", type=float, default=1.0)
+    ap.add_argument("--fast", action="store_true", help="the prototype step of fastpath.py")
+    ap.add_argument("--profile", type=int, default=None, metavar="K")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if not a.model and not a.tiny:
+        ap.error("give MODEL.gguf or --tiny")
+    ks = [int(k) for k in a.ks.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(tiny_model(Path(tmp))) if a.tiny else a.model
+        rows, prof = measure(model, ks, a.tokens, a.gpu_layers, a.threads, a.repeat_penalty,
+                             a.fast, a.profile, a.reps)
+    label = (f"{'tiny model' if a.tiny else Path(a.model).name}, {'prototype' if a.fast else 'engine'}"
+             f" step, gpu_layers {a.gpu_layers}, threads {a.threads or 'all'}, repeat_penalty "
+             f"{a.repeat_penalty}, {a.tokens} tokens x {len(PROMPTS)} prompts, best of {a.reps}")
+    report(rows, label)
+    if prof:
+        print(prof, file=sys.stderr)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"label": label, "system": llama.system_info(),
+                                            "load": os.getloadavg(), "rows": rows,
+                                            "profile": prof}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
