@@ -3,7 +3,9 @@
 # (flags from localspec/buildflags.py: no AMX crash, CUDA/Metal when present), caches the built
 # wheel per flag set so a rerun takes seconds, then installs localspec with its test extras.
 # Usage: ./install.sh            Env: PYTHON, LOCALSPEC_VENV, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS,
-#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_HOME (cache location)
+#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_HOME (cache location),
+#                                     LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python source
+#                                     tree to build instead of PyPI's sdist: scripts/gpu_run.sh)
 set -euo pipefail
 cd "$(dirname "$0")"
 LLAMA_CPP_PYTHON=0.3.36          # keep in step with pyproject.toml
@@ -25,7 +27,8 @@ if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
     echo "Building llama-cpp-python $LLAMA_CPP_PYTHON (takes ~5 min on 2 cores) with: $ARGS" >&2
     mkdir -p "$WHEELS.tmp"
     CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
-      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" \
+      "${LOCALSPEC_LLAMA_SRC:-llama-cpp-python==$LLAMA_CPP_PYTHON}"
     rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
   fi
   "$VPY" -m pip install -q --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-*.whl

@@ -4,7 +4,8 @@
 #   .gpu/whl/    llama-cpp-python's sdist, TRIMMED (vendored llama.cpp without models, docs, tests,
 #                examples, web UI, and ggml backends other than CPU and CUDA), plus Python 3.12
 #                wheels of what localspec needs that the image lacks (cffi, pycparser, diskcache, gguf)
-#   .gpu/specs/  random_gguf.py specs (metadata only) of the cached catalog models
+#                and of scikit-build-core (the image's version is unknown; the build needs >= 0.9.2)
+#   .gpu/specs/  random_gguf.py specs (metadata only, xz) of the cached catalog models
 #   .gpu/smollm2.part1, .gpu2/smollm2.part2   the real SmolLM2-135M in two halves: the first call
 #                carries .gpu, the second .gpu2 (a path not named in `carry` stays on the machine)
 # Usage: scripts/gpu_bundle.sh          Env: PYTHON (default .venv/bin/python), LOCALSPEC_HOME
@@ -29,7 +30,7 @@ if [ ! -f "$G/whl/llama_cpp_python-$V.tar.gz" ]; then
   tar xzf "$SD/llama_cpp_python-$V.tar.gz" -C "$TMP"
   R="$TMP/llama_cpp_python-$V"
   L="$R/vendor/llama.cpp"
-  rm -rf "$R"/{.github,docker,docs,examples,tests}
+  rm -rf "$R"/{.git,.github,docker,docs,examples,tests} "$L/.git"   # .git: a 37 MB pack
   rm -rf "$L"/{.devops,.github,.gemini,.pi,app,benches,ci,conversion,docs,examples,gguf-py} \
          "$L"/{grammars,media,models,pocs,requirements,scripts,skills,tests} "$L"/convert_*.py
   # Tools: only mtmd, which llama-cpp-python builds (LLAVA_BUILD); not its tests and sample media.
@@ -46,18 +47,21 @@ fi
 
 # 2. Wheels for the device's Python (3.12, manylinux x86_64), one version of each.
 pyver() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-for pkg in cffi pycparser diskcache gguf; do
-  ls "$G/whl/${pkg}-"*.whl >/dev/null 2>&1 && continue
+for pkg in cffi pycparser diskcache gguf scikit-build-core; do
+  ls "$G/whl/${pkg//-/_}-"*.whl >/dev/null 2>&1 && continue
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$G/whl" "$pkg==$(pyver $pkg)"
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$G/whl" \
+    "$pkg$(v=$(pyver $pkg 2>/dev/null) && echo "==$v")"     # the version tested here, else the latest
 done
 
 # 3. Specs of the cached catalog models (a missing one is skipped: pull it first to include it).
-spec() {   # catalog file name, spec name
+spec() {   # catalog file name, spec name; xz: the vocabularies shrink 4x (5.7 -> 1.3 MB)
   local src="$HOME_DIR/models/$1" out="$G/specs/$2.spec.gguf"
   if [ ! -f "$src" ]; then echo "skip $2: $src not cached (localspec models pull)" >&2; return; fi
+  [ -f "$out.xz" ] && return
   [ -f "$out" ] || "$PY" scripts/random_gguf.py spec "$src" -o "$out"
+  xz -9 "$out"
 }
 spec qwen2.5-coder-1.5b-instruct-q4_k_m.gguf qwen2.5-coder-1.5b
 spec qwen2.5-coder-0.5b-instruct-q4_k_m.gguf qwen2.5-coder-0.5b

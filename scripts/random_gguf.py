@@ -151,11 +151,14 @@ def _random_tensor(rng, name, ne, dtype, tied, logit_scale) -> np.ndarray:
     return w.astype(dtype, copy=False)
 
 
-def write_unquantized(spec: tuple, out: str, seed: int, logit_scale: float) -> dict:
+def write_unquantized(spec: tuple, out: str, seed: int, logit_scale: float,
+                      file_type: int | None = 1) -> dict:
     """Write random F16 tensors (F32 where the source keeps F32) to `out`, streaming one tensor
-    at a time. Returns {tensor name: ggml type in the source} for the quantizer."""
+    at a time, with general.file_type = `file_type` (1: MOSTLY_F16; None: the source's).
+    Returns {tensor name: ggml type in the source} for the quantizer."""
     arch, kvs, tensors, _ = spec
-    kvs = [(k, 1 if k == "general.file_type" else v, t, s) for k, v, t, s in kvs]  # MOSTLY_F16
+    if file_type is not None:
+        kvs = [(k, file_type if k == "general.file_type" else v, t, s) for k, v, t, s in kvs]
     tied = not any(name == "output.weight" for name, _, _ in tensors)
     w = _writer(out, arch, kvs)
     dtypes = {}
@@ -185,6 +188,9 @@ def make(spec_path: str, out: str, ftype: int | None, seed: int, logit_scale: fl
     pinned = None
     if ftype == int(kv.get("general.file_type", -1)):
         pinned = spec[2]                     # the source's exact per-tensor types
+        if all(qtype in UNQUANTIZED for _, qtype, _ in pinned):
+            write_unquantized(spec, out, seed, logit_scale, None)   # nothing to quantize
+            return
     with tempfile.TemporaryDirectory(dir=workdir or Path(out).parent) as tmp:
         raw = os.path.join(tmp, "random-f16.gguf")
         t = time.perf_counter()

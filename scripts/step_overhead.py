@@ -11,8 +11,8 @@ overhead. A scripted proposer makes every step draft exactly k tokens:
 
     python scripts/step_overhead.py MODEL.gguf [--ks 0,4,8,16] [--tokens 128] [--gpu-layers -1]
     python scripts/step_overhead.py --tiny ...            # the test suite's tiny model (sub-ms decode)
-    ... --fast            prototype_step below (localspec/fastpath.py) instead of Engine._step
-    ... --profile N       cProfile the k=N accept run; top functions by own time to stderr
+    ... --fast            also prototype_step below (localspec/fastpath.py), interleaved per case
+    ... --profile N       cProfile a k=N accept run of each step; top functions by own time
     ... --json out.json
 """
 
@@ -199,49 +199,59 @@ def tiny_model(folder: Path) -> Path:
     return make_tiny_gguf(folder / "tiny.gguf", seed=0, logit_scale=3.0)
 
 
-def measure(model: str, ks, n_tokens, gpu_layers, threads, penalty, fast, profile_k, reps):
+def summarize(runs: list) -> dict:
+    """Best (lowest) time of each column over runs: noise on a shared machine only adds time."""
+    best = {}
+    for key in runs[0]:
+        vals = [r[key] for r in runs]
+        best[key] = min(vals) if key.endswith("_ms") else (
+            all(vals) if key == "identical" else sum(vals) / len(vals))
+    return best
+
+
+def measure(model: str, ks, n_tokens, gpu_layers, threads, penalty, steps, profile_k, reps):
+    """Rows per (step, k, mode); with both steps, each case runs with one then the other, so
+    the two see the same machine state (interleaved in one process)."""
     sampling = SamplingParams(temperature=0.0, repeat_penalty=penalty)
     cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, n_gpu_layers=gpu_layers,
                        policy=PolicyConfig(k_max=max(max(ks), 1)))
-    rows, profile_text = [], ""
+    rows, profiles = [], {}
     with Engine(model, cfg) as engine:
         ngram = engine.proposer                  # put back before close, which closes it
         refs = [engine.generate(p, sampling, max_tokens=n_tokens, speculate=False)
                 .complete_tokens() for p in PROMPTS]
         for k in ks:
             for mode in (("plain",) if k == 0 else ("accept", "reject")):
-                runs = []
-                for _ in range(reps):       # keep each prompt's best: noise only adds time
+                runs = {step: [] for step in steps}
+                for _ in range(reps):
                     for prompt, ref in zip(PROMPTS, refs):
-                        want = profile_k == k and mode == "accept" and not profile_text
-                        r, prof = run_case(engine, prompt, ref, k, mode, sampling, fast, want)
-                        runs.append(r)
-                        if prof:
-                            out = io.StringIO()
-                            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
-                            profile_text = out.getvalue()
-                best = {}
-                for key in runs[0]:
-                    vals = [r[key] for r in runs]
-                    best[key] = min(vals) if key.endswith("_ms") else (
-                        all(vals) if key == "identical" else sum(vals) / len(vals))
-                rows.append({"k": k, "mode": mode, **best})
+                        for step in steps:
+                            want = profile_k == k and mode == "accept" and step not in profiles
+                            r, prof = run_case(engine, prompt, ref, k, mode, sampling,
+                                               step == "prototype", want)
+                            runs[step].append(r)
+                            if prof:
+                                out = io.StringIO()
+                                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+                                profiles[step] = out.getvalue()
+                rows += [{"step": step, "k": k, "mode": mode, **summarize(runs[step])}
+                         for step in steps]
         engine.proposer = ngram
-    return rows, profile_text
+    return rows, profiles
 
 
 def report(rows, label: str) -> None:
     print(f"# {label}")
-    print(f"{'k':>3} {'mode':7} {'tok/step':>8} {'device':>8} {'overhead':>8} {'propose':>8} "
-          f"{'decode.py':>9} {'verify':>8} {'loop':>7}  share of a 3 / 5 ms step  same")
+    print(f"{'step':9} {'k':>3} {'mode':7} {'tok/step':>8} {'device':>8} {'overhead':>8} "
+          f"{'propose':>8} {'decode.py':>9} {'verify':>8} {'loop':>7}  share of 3 / 5 ms  same")
     for r in rows:
         share = [r["overhead_ms"] / (g + r["overhead_ms"]) for g in (3.0, 5.0)]
-        print(f"{r['k']:>3} {r['mode']:7} {r['tokens_per_step']:8.2f} {r['device_ms']:8.3f} "
-              f"{r['overhead_ms']:8.3f} {r['propose_ms']:8.3f} {r['decode_python_ms']:9.3f} "
-              f"{r['verify_sample_ms']:8.3f} {r['loop_ms']:7.3f}  {100 * share[0]:5.1f}% / "
-              f"{100 * share[1]:4.1f}%     {'yes' if r['identical'] else 'NO'}")
-    print("(milliseconds per step; device = llama_decode + llama_get_logits; overhead = step "
-          "wall time + loop - device)")
+        print(f"{r['step']:9} {r['k']:>3} {r['mode']:7} {r['tokens_per_step']:8.2f} "
+              f"{r['device_ms']:8.3f} {r['overhead_ms']:8.3f} {r['propose_ms']:8.3f} "
+              f"{r['decode_python_ms']:9.3f} {r['verify_sample_ms']:8.3f} {r['loop_ms']:7.3f}  "
+              f"{100 * share[0]:5.1f}% / {100 * share[1]:4.1f}%   {'yes' if r['identical'] else 'NO'}")
+    print("(ms per step; device = llama_decode + llama_get_logits; overhead = everything else in a "
+          "step and the loop around it; share = overhead / (GPU step + overhead))")
 
 
 def main() -> None:
@@ -254,7 +264,8 @@ def main() -> None:
     ap.add_argument("--gpu-layers", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeat-penalty", type=float, default=1.0)
-    ap.add_argument("--fast", action="store_true", help="the prototype step of fastpath.py")
+    ap.add_argument("--fast", action="store_true",
+                    help="also the prototype step, interleaved case by case with the engine's")
     ap.add_argument("--profile", type=int, default=None, metavar="K")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -263,18 +274,20 @@ def main() -> None:
     ks = [int(k) for k in a.ks.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_model(Path(tmp))) if a.tiny else a.model
-        rows, prof = measure(model, ks, a.tokens, a.gpu_layers, a.threads, a.repeat_penalty,
-                             a.fast, a.profile, a.reps)
-    label = (f"{'tiny model' if a.tiny else Path(a.model).name}, {'prototype' if a.fast else 'engine'}"
-             f" step, gpu_layers {a.gpu_layers}, threads {a.threads or 'all'}, repeat_penalty "
-             f"{a.repeat_penalty}, {a.tokens} tokens x {len(PROMPTS)} prompts, best of {a.reps}")
+        load0 = os.getloadavg()
+        rows, profiles = measure(model, ks, a.tokens, a.gpu_layers, a.threads, a.repeat_penalty,
+                                 ("engine", "prototype") if a.fast else ("engine",), a.profile,
+                                 a.reps)
+    label = (f"{'tiny model' if a.tiny else Path(a.model).name}, gpu_layers {a.gpu_layers}, "
+             f"threads {a.threads or 'all'}, repeat_penalty {a.repeat_penalty}, {a.tokens} tokens"
+             f" x {len(PROMPTS)} prompts, best of {a.reps}; load {load0[0]:.1f} -> "
+             f"{os.getloadavg()[0]:.1f}")
     report(rows, label)
-    if prof:
-        print(prof, file=sys.stderr)
+    for step, text in profiles.items():
+        print(f"# cProfile, {step} step, k={a.profile} accept\n{text}", file=sys.stderr)
     if a.json:
         Path(a.json).write_text(json.dumps({"label": label, "system": llama.system_info(),
-                                            "load": os.getloadavg(), "rows": rows,
-                                            "profile": prof}, indent=1))
+                                            "rows": rows, "profiles": profiles}, indent=1))
 
 
 if __name__ == "__main__":
