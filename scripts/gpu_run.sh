@@ -36,8 +36,10 @@ setup() {
   site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   vsite=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$site" > "$vsite/image-packages.pth"
-  # Our scikit-build-core (llama-cpp-python wants >= 0.9.2) shadows whatever the image has.
-  "$VPY" -m pip install -q --no-index --no-deps .gpu/whl/scikit_build_core-*.whl || return 1
+  # The carried wheels first: cffi must be importable when setup.py runs without build
+  # isolation, or setuptools skips `cffi_modules` with a warning and the C matcher is never
+  # built; our scikit-build-core (the build wants >= 0.9.2) shadows whatever the image has.
+  "$VPY" -m pip install -q --no-index --no-deps .gpu/whl/*.whl || return 1
   # The trimmed sdist, unpacked once into a fixed folder and built there with a fixed build dir:
   # a build cut off by the 10-minute limit resumes on the next call (pip's own temp folders
   # would change the source path, and scikit-build-core then starts over).

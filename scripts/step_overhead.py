@@ -14,6 +14,7 @@ overhead. A scripted proposer makes every step draft exactly k tokens:
     ... --fast            also prototype_step below (localspec/fastpath.py), interleaved per case
     ... --profile N       cProfile a k=N accept run of each step; top functions by own time
     ... --json out.json
+    python scripts/step_overhead.py --rows 151936 [--ks ...]   # verification alone, no model
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
+
 from localspec import llama
 from localspec.engine import Engine, EngineConfig
 from localspec.fastpath import greedy_verify
 from localspec.policy import PolicyConfig
 from localspec.proposers import EMPTY, Proposal
-from localspec.sampling import SamplingParams
+from localspec.sampling import PositionStream, SamplingParams, target_dist, top2_gap
+from localspec.verify import verify
 
 PROMPTS = [
     "Rewrite this function with type hints:\ndef add(a, b):\n    return a + b\n",
@@ -193,6 +197,44 @@ def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
     }, prof
 
 
+def engine_verify(rows, drafts, sampling, recent, margin):
+    """What Engine._step does after the decode for greedy point-mass drafts: verify() over
+    target_dist() rows, then the near-tie guard over top2_gap() rows."""
+    verdict = verify(drafts, None, lambda i: target_dist(rows[i], sampling, recent + drafts[:i]),
+                     PositionStream(1), t0=0)
+    if drafts and margin > 0:
+        for i in range(verdict.n_accepted + 1):
+            if top2_gap(rows[i], sampling, recent + drafts[:i]) < margin:
+                break
+    return verdict
+
+
+def bench_rows(n_vocab: int, ks, penalty: float, reps: int = 200) -> list:
+    """Verification alone on random rows [k + 1, n_vocab]: the engine's per-row path vs
+    fastpath.greedy_verify, drafts all accepted or the first rejected. Best of `reps`, in ms."""
+    rng = np.random.default_rng(0)
+    sampling = SamplingParams(temperature=0.0, repeat_penalty=penalty)
+    recent = [int(t) for t in rng.integers(0, n_vocab, 64)] if penalty != 1.0 else []
+    out = []
+    for k in ks:
+        rows = (rng.standard_normal((k + 1, n_vocab)) * 4).astype(np.float32)
+        good = [int(np.argmax(r)) for r in rows[:k]]
+        for mode, drafts in (("accept", good), ("reject", [(good[0] + 1) % n_vocab] + good[1:]
+                                                  if k else [])):
+            times = {"engine": float("inf"), "prototype": float("inf")}
+            for _ in range(reps):
+                for name in times:
+                    work = rows.copy()           # the prototype penalises in place
+                    t = time.perf_counter()
+                    (engine_verify if name == "engine" else greedy_verify)(
+                        work, drafts, sampling, recent, 0.25)
+                    times[name] = min(times[name], time.perf_counter() - t)
+            out.append({"k": k, "mode": mode, **{n: 1000 * v for n, v in times.items()}})
+            if k == 0:
+                break
+    return out
+
+
 def tiny_model(folder: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from tinymodel import make_tiny_gguf
@@ -267,11 +309,20 @@ def main() -> None:
     ap.add_argument("--fast", action="store_true",
                     help="also the prototype step, interleaved case by case with the engine's")
     ap.add_argument("--profile", type=int, default=None, metavar="K")
+    ap.add_argument("--rows", type=int, metavar="N_VOCAB",
+                    help="verification alone on random rows of this vocabulary size (no model)")
     ap.add_argument("--json")
     a = ap.parse_args()
-    if not a.model and not a.tiny:
-        ap.error("give MODEL.gguf or --tiny")
     ks = [int(k) for k in a.ks.split(",")]
+    if a.rows:
+        print(f"# verification of k+1 random rows of {a.rows} logits, repeat_penalty "
+              f"{a.repeat_penalty}, best of 200 (ms); load {os.getloadavg()[0]:.1f}")
+        for r in bench_rows(a.rows, ks, a.repeat_penalty):
+            print(f"k={r['k']:2d} {r['mode']:6}  engine {r['engine']:7.3f}  prototype "
+                  f"{r['prototype']:7.3f}  ({r['engine'] / r['prototype']:.1f}x)")
+        return
+    if not a.model and not a.tiny:
+        ap.error("give MODEL.gguf, --tiny or --rows N")
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_model(Path(tmp))) if a.tiny else a.model
         load0 = os.getloadavg()
