@@ -25,6 +25,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -149,30 +150,40 @@ def prototype_step(engine, req) -> list:
     return emitted
 
 
-def timed_steps(engine: Engine, clock: DeviceClock, step=None) -> dict:
-    """Replace engine._step (this instance only) with a wrapper that sums each step's wall time
-    and the device time inside it. `step` is an alternative step function(engine, req)."""
-    totals = {"steps": 0, "wall": 0.0, "device": 0.0}
+def timed_steps(engine: Engine, clock: DeviceClock, step=None) -> list:
+    """Replace engine._step (this instance only) with a wrapper that records, per step, its wall
+    time, the device time inside it, the stats' propose/verify/sample deltas, and the loop time
+    since the previous step returned. `step` is an alternative step function(engine, req)."""
+    samples, last = [], {"end": None}
     inner = types.MethodType(step, engine) if step else engine._step
 
     def wrapped(req):
+        st = req.stats
+        before = (st.propose_ms, st.verify_ms, st.sample_ms)
         d0, t0 = clock.seconds, time.perf_counter()
         out = inner(req)
-        totals["wall"] += time.perf_counter() - t0
-        totals["device"] += clock.seconds - d0
-        totals["steps"] += 1
+        t1 = time.perf_counter()
+        device = 1000 * (clock.seconds - d0)
+        wall = 1000 * (t1 - t0)
+        loop = 1000 * (t0 - last["end"]) if last["end"] is not None else 0.0
+        last["end"] = t1
+        samples.append({"device_ms": device, "overhead_ms": wall - device + loop,
+                        "propose_ms": st.propose_ms - before[0],
+                        "decode_python_ms": st.verify_ms - before[1] - device,
+                        "verify_sample_ms": st.sample_ms - before[2], "loop_ms": loop,
+                        "emitted": len(out)})
         return out
     engine._step = wrapped
-    return totals
+    return samples
 
 
 def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
-    """One generation at fixed k; returns its per-step numbers in milliseconds."""
+    """One generation at fixed k: its per-step samples (ms), identity and tokens per step."""
     if k:
         engine.proposer = ScriptedProposer(reference, mode, engine.model.n_vocab)
     step = prototype_step if fast else None
     with DeviceClock() as clock:
-        totals = timed_steps(engine, clock, step)
+        samples = timed_steps(engine, clock, step)
         engine.reset()
         prof = cProfile.Profile() if profile else None
         gen = engine.generate(prompt, sampling, max_tokens=len(reference), speculate=k > 0,
@@ -183,18 +194,7 @@ def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
         if prof:
             prof.disable()
     del engine._step
-    st, n = gen.stats, max(totals["steps"], 1)
-    loop_wall = (st.total_ms - st.prefill_ms) / 1000      # every step plus the loop around them
-    return {
-        "steps": totals["steps"], "tokens": len(tokens), "identical": tokens == reference,
-        "tokens_per_step": st.step_tokens / n,
-        "device_ms": 1000 * totals["device"] / n,
-        "overhead_ms": 1000 * (loop_wall - totals["device"]) / n,
-        "propose_ms": st.propose_ms / n,
-        "decode_python_ms": (st.verify_ms - 1000 * totals["device"]) / n,
-        "verify_sample_ms": st.sample_ms / n,
-        "loop_ms": 1000 * (loop_wall - totals["wall"]) / n,
-    }, prof
+    return samples, tokens == reference, prof
 
 
 def engine_verify(rows, drafts, sampling, recent, margin):
@@ -241,14 +241,14 @@ def tiny_model(folder: Path) -> Path:
     return make_tiny_gguf(folder / "tiny.gguf", seed=0, logit_scale=3.0)
 
 
-def summarize(runs: list) -> dict:
-    """Best (lowest) time of each column over runs: noise on a shared machine only adds time."""
-    best = {}
-    for key in runs[0]:
-        vals = [r[key] for r in runs]
-        best[key] = min(vals) if key.endswith("_ms") else (
-            all(vals) if key == "identical" else sum(vals) / len(vals))
-    return best
+def summarize(samples: list, identical: bool) -> dict:
+    """Median of each per-step column over every step of every run: a shared machine preempts
+    the process now and then, and a median ignores those steps where a mean would not."""
+    out = {key: statistics.median(x[key] for x in samples) for key in samples[0]
+           if key != "emitted"}
+    out.update(steps=len(samples), identical=identical,
+               tokens_per_step=sum(x["emitted"] for x in samples) / len(samples))
+    return out
 
 
 def measure(model: str, ks, n_tokens, gpu_layers, threads, penalty, steps, profile_k, reps):
@@ -264,20 +264,22 @@ def measure(model: str, ks, n_tokens, gpu_layers, threads, penalty, steps, profi
                 .complete_tokens() for p in PROMPTS]
         for k in ks:
             for mode in (("plain",) if k == 0 else ("accept", "reject")):
-                runs = {step: [] for step in steps}
+                samples = {step: [] for step in steps}
+                same = {step: True for step in steps}
                 for _ in range(reps):
                     for prompt, ref in zip(PROMPTS, refs):
                         for step in steps:
                             want = profile_k == k and mode == "accept" and step not in profiles
-                            r, prof = run_case(engine, prompt, ref, k, mode, sampling,
-                                               step == "prototype", want)
-                            runs[step].append(r)
+                            got, identical, prof = run_case(engine, prompt, ref, k, mode,
+                                                            sampling, step == "prototype", want)
+                            samples[step] += got
+                            same[step] &= identical
                             if prof:
                                 out = io.StringIO()
                                 pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
                                 profiles[step] = out.getvalue()
-                rows += [{"step": step, "k": k, "mode": mode, **summarize(runs[step])}
-                         for step in steps]
+                rows += [{"step": step, "k": k, "mode": mode,
+                          **summarize(samples[step], same[step])} for step in steps]
         engine.proposer = ngram
     return rows, profiles
 
@@ -292,8 +294,8 @@ def report(rows, label: str) -> None:
               f"{r['device_ms']:8.3f} {r['overhead_ms']:8.3f} {r['propose_ms']:8.3f} "
               f"{r['decode_python_ms']:9.3f} {r['verify_sample_ms']:8.3f} {r['loop_ms']:7.3f}  "
               f"{100 * share[0]:5.1f}% / {100 * share[1]:4.1f}%   {'yes' if r['identical'] else 'NO'}")
-    print("(ms per step; device = llama_decode + llama_get_logits; overhead = everything else in a "
-          "step and the loop around it; share = overhead / (GPU step + overhead))")
+    print("(median ms per step; device = llama_decode + llama_get_logits; overhead = the rest of "
+          "the step + the loop since the previous step; share = overhead / (GPU step + overhead))")
 
 
 def main() -> None:
@@ -331,7 +333,7 @@ def main() -> None:
                                  a.reps)
     label = (f"{'tiny model' if a.tiny else Path(a.model).name}, gpu_layers {a.gpu_layers}, "
              f"threads {a.threads or 'all'}, repeat_penalty {a.repeat_penalty}, {a.tokens} tokens"
-             f" x {len(PROMPTS)} prompts, best of {a.reps}; load {load0[0]:.1f} -> "
+             f" x {len(PROMPTS)} prompts x {a.reps}; load {load0[0]:.1f} -> "
              f"{os.getloadavg()[0]:.1f}")
     report(rows, label)
     for step, text in profiles.items():
