@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sets up localspec in ./.venv (or $LOCALSPEC_VENV): builds llama-cpp-python for this host
 # (flags from localspec/buildflags.py: no AMX crash, CUDA/Metal when present), caches the built
-# wheel per flag set so a rerun takes seconds, then installs localspec with its test extras.
+# wheel per flag set so a rerun takes seconds, then installs localspec with its HTTP server and
+# test extras. pip's output goes to $VENV/install.log, never to stdout; a failure prints its tail.
 # Usage: ./install.sh            Env: PYTHON, LOCALSPEC_VENV, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS,
-#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_HOME (cache location),
+#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_CUDA_ARCH, LOCALSPEC_HOME (cache),
 #                                     LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python source
 #                                     tree to build instead of PyPI's sdist: scripts/gpu_run.sh)
 set -euo pipefail
@@ -12,9 +13,21 @@ LLAMA_CPP_PYTHON=0.3.36          # keep in step with pyproject.toml
 PY=${PYTHON:-python3}
 VENV=${LOCALSPEC_VENV:-.venv}
 
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" >&2
 VPY="$VENV/bin/python"
+LOG="$VENV/install.log"
+: > "$LOG"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Run a step with its output in $LOG; on failure say which step, where the log is, and its tail.
+quiet() {
+  local what=$1; shift
+  if ! "$@" >>"$LOG" 2>&1; then
+    echo "install.sh: $what failed; full log: $LOG" >&2
+    tail -n 30 "$LOG" | sed 's/^/  | /' >&2
+    exit 1
+  fi
+}
 
 ARGS=$("$VPY" localspec/buildflags.py --explain)
 KEY=$("$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:12])' \
@@ -23,16 +36,26 @@ HOME_DIR=${LOCALSPEC_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}
 WHEELS="$HOME_DIR/wheels/llama-cpp-python-$LLAMA_CPP_PYTHON-$KEY"
 
 if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
+  mkdir -p "$(dirname "$WHEELS")"
+  exec 9>"$WHEELS.lock"   # a second install.sh waits for the first one's build, then reuses it
+  if command -v flock >/dev/null && ! flock -n 9; then
+    echo "Waiting for another install.sh to finish building llama-cpp-python..." >&2
+    flock 9
+  fi
   if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    echo "Building llama-cpp-python $LLAMA_CPP_PYTHON (takes ~5 min on 2 cores) with: $ARGS" >&2
-    mkdir -p "$WHEELS.tmp"
+    echo "Building llama-cpp-python $LLAMA_CPP_PYTHON (takes ~5 min on 2 cores; log: $LOG) with: $ARGS" >&2
+    rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
     CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
+      quiet "building llama-cpp-python" \
       "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" \
       "${LOCALSPEC_LLAMA_SRC:-llama-cpp-python==$LLAMA_CPP_PYTHON}"
     rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
   fi
-  "$VPY" -m pip install -q --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-*.whl
+  exec 9>&-
+  quiet "installing the llama-cpp-python wheel" \
+    "$VPY" -m pip install --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-*.whl
   echo "$KEY" > "$VENV/.llama-build-key"
 fi
-"$VPY" -m pip install -q -e ".[test]"
+echo "Installing localspec and its dependencies (log: $LOG)..." >&2
+quiet "installing localspec" "$VPY" -m pip install -e ".[server,test]"
 echo "localspec installed in $VENV (llama.cpp: $("$VPY" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode().strip())'))" >&2

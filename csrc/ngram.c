@@ -352,6 +352,33 @@ int lsng_candidates(const lsng_index *history, const lsng_index *document, int32
     return LSNG_OK;
 }
 
+int lsng_support(const lsng_index *history, const lsng_index *document, const lsng_match *m,
+                 const int32_t *tokens, int32_t *agree, int32_t *n_occ)
+{
+    query q;
+    if (!m || !n_occ || m->n_tokens < 0 || (m->n_tokens > 0 && (!tokens || !agree)))
+        return LSNG_ERR_PARAMS;
+    int rc = query_init(&q, history, document, m->n_tokens);
+    if (rc != LSNG_OK) return rc;
+    *n_occ = 0;
+    if (m->ngram_len == 0) return LSNG_OK;
+    const lsng_index *src = m->source == LSNG_SOURCE_DOCUMENT ? document : history;
+    if (m->ngram_len < history->params.ngram_min || m->ngram_len > q.lmax || !src ||
+        (m->source != LSNG_SOURCE_HISTORY && m->source != LSNG_SOURCE_DOCUMENT))
+        return LSNG_ERR_PARAMS;
+    for (int32_t i = 0; i < m->n_tokens; i++) agree[i] = 0;
+    const lsng_slot *s = lookup(&q, src, m->ngram_len);
+    if (!s) return LSNG_OK;
+    const int32_t *prev = prev_of(src, m->ngram_len);
+    int32_t e = s->last, v = 0;
+    for (; v < LSNG_MAX_CHAIN && e != LSNG_NONE; v++, e = prev[e]) {
+        int32_t n = cont_len(&q, src, e);     /* the continuation's tokens, at most k */
+        for (int32_t i = 0; i < n && src->tokens[e + i] == tokens[i]; i++) agree[i]++;
+    }
+    *n_occ = v;
+    return LSNG_OK;
+}
+
 const char *lsng_strerror(int code)
 {
     switch (code) {

@@ -45,6 +45,14 @@
  * shortest, history before document: the tie-policy pick, followed by the LSNG_MAX_CHAIN most
  * recent occurrences, newest first; a continuation equal to one already listed is skipped.
  *
+ * SUPPORT. How many earlier occurrences back a proposal m (what lsng_propose returned for this
+ * history and document; tokens = its continuation): the LSNG_MAX_CHAIN newest occurrences of
+ * suffix(m->ngram_len) in m's source are visited, *n_occ = how many; agree[i] (i < m->n_tokens) =
+ * how many of them continue with exactly tokens[0..i] (a continuation cut short by the end of its
+ * source does not agree past its end). agree[] never increases with i. Drafts whose occurrences
+ * all continue alike are accepted more often than those where one occurrence of several says so.
+ * m->ngram_len == 0 (no match): *n_occ = 0 and agree[] is not written.
+ *
  * COMPLEXITY (G = ngram_max - ngram_min + 1 tables, one per length, open addressing with linear
  * probing at load <= 1/2; each table entry keeps the newest and oldest end position of its n-gram,
  * and prev[L][e] chains each occurrence to the previous one of the same n-gram):
@@ -52,6 +60,7 @@
  *   truncate     O(ngram_max) expected per token removed (prev[] chains undo the appends exactly);
  *   propose      O(ngram_max + k) expected, + O(LSNG_MAX_CHAIN) for TIE_LONGEST;
  *   candidates   O(G * LSNG_MAX_CHAIN * n_max * k) worst case;
+ *   support      O(ngram_max + LSNG_MAX_CHAIN * k);
  * none of them depends on the history length. Memory: about (4 + 4G + 24G) bytes per token of
  * capacity (tokens, prev chains, hash slots).
  *
@@ -134,6 +143,10 @@ int lsng_propose(const lsng_index *history, const lsng_index *document, int32_t 
  * out[i].n_tokens tokens; out: [n_max]. */
 int lsng_candidates(const lsng_index *history, const lsng_index *document, int32_t k,
                     int32_t n_max, int32_t *out_tokens, lsng_match *out, int32_t *n_out);
+
+/* Occurrence support of proposal m (see SUPPORT); agree: [m->n_tokens] (NULL if 0 tokens). */
+int lsng_support(const lsng_index *history, const lsng_index *document, const lsng_match *m,
+                 const int32_t *tokens, int32_t *agree, int32_t *n_occ);
 
 const char *lsng_strerror(int code);
 /* LSNG_CDEF_END */

@@ -80,6 +80,14 @@ class LocalspecClient:
         return self.proc.wait(timeout=30)
 
 
+def edit_messages(document: str, instruction: str, system: str = "") -> list:
+    """A chat prompt built stable-first: system text, then the document, then the instruction.
+    Every request about the same document then shares the document's KV rows (the server's
+    prompt cache restores them), so only the instruction is read again."""
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": "user", "content": f"{document}\n\n{instruction}"}]
+
+
 def main() -> None:
     client = LocalspecClient(*sys.argv[1:])
     info = client.call("initialize", {"client": {"name": "editor_client.py"}})
@@ -88,7 +96,7 @@ def main() -> None:
 
     # 1. A streamed edit: the open file is the document, so copied spans are drafted for free.
     buffer = "def area(width, height):\n    return width * height\n\n\nprint(area(3, 4))\n"
-    messages = [{"role": "user", "content": "Rename width to w and height to h:\n" + buffer}]
+    messages = edit_messages(buffer, "Rename width to w and height to h in the code above.")
     params = {"messages": messages, "max_tokens": 120, "document": buffer, "stop": ["\n\n\n"]}
     if not info["model"]["chat_template"]:
         params = {"prompt": buffer + "# the same function with short names:\n", "max_tokens": 120,
@@ -97,8 +105,8 @@ def main() -> None:
                          on_text=lambda piece: print(piece, end="", flush=True))
     s = result["stats"]
     print(f"\n[{result['finish_reason']}: {s['generated_tokens']} tokens, "
-          f"{s['decode_tokens_per_s']} tok/s, accepted {s['accepted']}/{s['drafted']}]",
-          file=sys.stderr)
+          f"{s['decode_tokens_per_s']} tok/s, accepted {s['accepted']}/{s['drafted']}, "
+          f"prompt {s['prompt_tokens']} ({s['reused_tokens']} reused)]", file=sys.stderr)
 
     # 2. The user typed again: cancel the in-flight request. Its response still comes, with
     #    finish_reason "cancelled" and the text so far.

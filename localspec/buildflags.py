@@ -12,6 +12,8 @@ Metal on Apple Silicon.
 llamafile's tinyBLAS is left out everywhere (GGML_LLAMAFILE=OFF): it serves only batches of 2+
 rows, so with it a verify batch computes different logits from one-token decoding; without it,
 `--exact` (no repacking, no tiled K-quant matmul) is bit-for-bit batch-invariant on the CPU.
+ggml's RPC backend is built everywhere (GGML_RPC=ON): `--rpc` spreads a model's layers over
+`localspec rpc-server` processes on other hosts, and that server comes from this same build.
 
 Overrides: LOCALSPEC_CMAKE_ARGS replaces the choice entirely; CMAKE_ARGS is appended (later -D
 flags win); LOCALSPEC_CUDA=1/0 forces CUDA on/off; LOCALSPEC_CUDA_ARCH (e.g. "90") names the
@@ -77,7 +79,9 @@ def choose(system: str, machine: str, cpuinfo: str, nvcc: bool, gpu: bool,
     GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C=ON, the other listed sets OFF, AMX_*=OFF.
     cuda_arch: the GPU's CMAKE_CUDA_ARCHITECTURES ("90" on an H100); "" lets CMake detect it.
     """
-    args, why = ["-DGGML_LLAMAFILE=OFF"], ["llamafile tinyBLAS off: makes the --exact mode possible"]
+    args, why = ["-DGGML_LLAMAFILE=OFF", "-DGGML_RPC=ON"], \
+        ["llamafile tinyBLAS off: makes the --exact mode possible",
+         "RPC backend on: --rpc and `localspec rpc-server` (a small library, no new dependency)"]
     if machine.lower() in ("x86_64", "amd64") and system != "Darwin":
         flags = cpu_flags(cpuinfo)
         args.append("-DGGML_NATIVE=OFF")

@@ -12,18 +12,22 @@ import os
 import statistics
 import time
 
-from .catalog import localspec_home
+from .files import cache_dir
 from .llama import Context, system_info, tiled_matmul_off
 from .policy import CostCurve
+from .rpc import attached as rpc_attached
 
 CALIBRATION_VERSION = 2
 
 
 def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
     st = ctx.model.path.stat()
-    ident = json.dumps([CALIBRATION_VERSION, str(ctx.model.path.resolve()), st.st_size,
-                        int(st.st_mtime), ctx.n_threads, n_gpu_layers, k_max, system_info(),
-                        ctx.model.repacked, tiled_matmul_off()])
+    ident = [CALIBRATION_VERSION, str(ctx.model.path.resolve()), st.st_size, int(st.st_mtime),
+             ctx.n_threads, n_gpu_layers, k_max, system_info(), ctx.model.repacked,
+             tiled_matmul_off()]
+    if n_gpu_layers and rpc_attached():    # layers on other hosts: another device entirely
+        ident.append(list(rpc_attached()))
+    ident = json.dumps(ident)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -61,22 +65,43 @@ def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
 def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
                     progress=None, force: bool = False) -> CostCurve:
     """The cached curve for this model/device/threads, measuring it the first time (or when
-    `force`: `localspec calibrate` re-measures on a quiet machine)."""
+    `force`: `localspec calibrate` re-measures on a quiet machine). A cached file that is not a
+    curve (edited, truncated, another version) is measured again, with a note."""
     key = curve_key(ctx, n_gpu_layers, k_max)
-    path = localspec_home() / "calibration" / f"{key}.json"
-    try:
-        if not force:
-            data = json.loads(path.read_text())
-            return CostCurve(tuple(data["ratios"]), data["ms_per_step"], key)
-    except (OSError, ValueError, KeyError):
-        pass
+    path = cache_dir("calibration") / f"{key}.json"    # fails early if the cache is unusable
+    if not force and path.exists():
+        curve = _read_curve(path, k_max, key)
+        if curve is not None:
+            return curve
+        if progress:
+            progress(f"the cached cost curve {path} is damaged; measuring it again.")
     if progress:
-        progress(f"measuring the verify cost curve of {ctx.model.path.name} on this device "
-                 "(once; cached)...")
+        who = f"{ctx.model.path.name} with {ctx.n_threads} thread{'s' * (ctx.n_threads != 1)}"
+        progress(f"localspec: re-timing batched verification of {who}..." if force else
+                 f"localspec: first speculative run of {who} here: timing batched verification "
+                 f"to pick draft lengths (once, about a minute; cached in {path.parent}, later "
+                 "runs skip it)...")
+    started = time.perf_counter()
     curve = measure(ctx, k_max)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        progress(f"localspec: calibrated in {time.perf_counter() - started:.1f} s.")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
                                "model": str(ctx.model.path), "threads": ctx.n_threads}))
     os.replace(tmp, path)
     return CostCurve(curve.ratios, curve.ms_per_step, key)
+
+
+def _read_curve(path, k_max: int, key: str):
+    """The curve stored at `path`, or None unless it has the shape a measurement writes:
+    ratios r(0..k_max) of numbers >= 1 starting at 1, and a positive step time."""
+    try:
+        data = json.loads(path.read_text())
+        ratios, ms = data["ratios"], data["ms_per_step"]
+        if not (isinstance(ratios, list) and len(ratios) == k_max + 1
+                and all(isinstance(r, (int, float)) and r >= 1.0 for r in ratios)
+                and isinstance(ms, (int, float)) and ms > 0):
+            return None
+        return CostCurve(tuple(float(r) for r in ratios), float(ms), key)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

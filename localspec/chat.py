@@ -36,6 +36,8 @@ class Reply:
     stats: GenerationStats
     interrupted: bool = False     # Ctrl-C or the cancel event stopped it
     dropped_turns: int = 0        # oldest turns dropped to make room for this one
+    budget: int = 0               # tokens it was allowed: max_tokens, or less where the context
+                                  # had less room left
 
 
 class ChatSession:
@@ -72,6 +74,35 @@ class ChatSession:
         """Forget the turns; keep the system prompt and the session statistics."""
         self.turns = []
 
+    def save(self, name: str) -> None:
+        """Keep the conversation and its KV rows under `name` (the prompt cache's sessions), so
+        `localspec chat --resume NAME` continues it without re-reading it."""
+        cache = self.engine.cache
+        if cache is None or cache.disk_dir is None:
+            raise LocalspecError("saving a chat needs the prompt cache on disk: start the chat "
+                                 "with --save NAME or --resume NAME.")
+        cache.save_named(name, self.engine.ctx, {"system": self.system,
+                                                 "turns": [list(t) for t in self.turns]})
+
+    def resume(self, name: str) -> str:
+        """Load the conversation saved as `name`; its KV rows come back when the model and
+        settings match (else the next message re-reads it). Returns a line for the user."""
+        cache = self.engine.cache
+        if cache is None or cache.disk_dir is None:
+            raise LocalspecError("resuming a chat needs the prompt cache (drop --cache-mb 0).")
+        session = cache.load_named(name, self.engine.ctx)
+        turns, system = session.meta.get("turns"), session.meta.get("system")
+        if not (isinstance(turns, list) and all(isinstance(t, list) and len(t) == 2 and
+                                                all(isinstance(x, str) for x in t) for t in turns)
+                and (system is None or isinstance(system, str))):
+            raise LocalspecError(f"the saved chat {name!r} does not hold a conversation; start "
+                                 "a new one or pick another name.")
+        self.turns, self.system = [tuple(t) for t in turns], system
+        how = (f"its {session.reuse.reused} tokens of KV restored in "
+               f"{session.reuse.restore_ms:.0f} ms" if session.reuse.reused else
+               "the next message re-reads it")
+        return f"resumed {name!r}: {_plural(len(self.turns), 'turn')}, {how}."
+
     def set_system(self, text: Optional[str]) -> None:
         self.system = text.replace("\0", "") if text else None
 
@@ -98,7 +129,7 @@ class ChatSession:
             gen = self.engine.generate(msgs, self.sampling, max_tokens=budget,
                                        stop=self.config.stop, cancel=cancel)
         except KeyboardInterrupt:     # before the first token (tokenizing, calibrating)
-            return Reply("", GenerationStats(stop_reason="cancelled"), True, dropped)
+            return Reply("", GenerationStats(stop_reason="cancelled"), True, dropped, budget)
         pieces = iter(gen)
         interrupted = False
         try:
@@ -112,7 +143,7 @@ class ChatSession:
         interrupted = interrupted or gen.stats.stop_reason == "cancelled"
         if gen.text or not interrupted:
             self.turns.append((text, gen.text.replace("\0", "")))
-        return Reply(gen.text, gen.stats, interrupted, dropped)
+        return Reply(gen.text, gen.stats, interrupted, dropped, budget)
 
     def _record(self, stats: GenerationStats) -> None:
         self.last = stats
@@ -159,11 +190,15 @@ class ChatSession:
                    f"accepted {t.accepted}/{t.drafted} ({100 * t.acceptance_rate:.0f}%), "
                    f"{t.mean_accepted_len:.2f} tokens/step; prompt tokens evaluated "
                    f"{t.prefill_tokens} of {t.prompt_tokens} ({t.prefill_ms:.0f} ms)")
-        used = self.count_tokens()
+        used, n_ctx = self.count_tokens(), self.engine.ctx.n_ctx
+        context = f"{used} of {n_ctx} tokens in history ({_plural(len(self.turns), 'turn')})"
+        if used >= n_ctx:   # a reply that filled the context, plus the template's end of turn
+            context = (f"the history ({used} tokens, {_plural(len(self.turns), 'turn')}) has "
+                       f"outgrown the {n_ctx}-token context: the oldest turns go with the next "
+                       "message")
         return (f"last reply: {self.last.summary()}\n"
                 f"session:    {session}\n"
-                f"context:    {used} of {self.engine.ctx.n_ctx} tokens in history "
-                f"({_plural(len(self.turns), 'turn')})")
+                f"context:    {context}")
 
 
 def _plural(n: int, noun: str) -> str:
@@ -176,6 +211,7 @@ commands:
   /system TEXT   replace the system prompt (the history is kept); /system alone shows it,
                  /system - removes it
   /reset         forget the conversation (the system prompt and session stats stay)
+  /save [NAME]   save the chat and its KV state (`localspec chat --resume NAME` continues it)
   /exit          quit (or Ctrl-D)
   /help          this list
 Ctrl-C stops a reply (what was written stays in the history); //text sends "/text"."""
@@ -221,6 +257,7 @@ class ChatLoop:
                  guard: Callable[[threading.Event], ContextManager] = sigint_cancels):
         self.session, self.read_line, self.out, self.err = session, read_line, out, err
         self.interactive, self.show_stats, self.guard = interactive, show_stats, guard
+        self.save_as: Optional[str] = None     # where /save (no name) and the exit save go
 
     def run(self) -> None:
         while True:
@@ -230,6 +267,8 @@ class ChatLoop:
                 reading = False
                 if line is None or not self.handle(line):
                     break
+            except LocalspecError as e:  # a line that cannot be read as text: say so, go on
+                self._say(f"error: {e} It was not sent.")
             except KeyboardInterrupt:   # at the prompt, or a late second Ctrl-C after a reply
                 if not self.interactive:
                     raise
@@ -261,6 +300,18 @@ class ChatLoop:
         elif name == "/reset":
             s.reset()
             self._say("conversation cleared.")
+        elif name == "/save":
+            target = arg or self.save_as
+            if not target:
+                self._say("/save NAME saves the chat (resume it with `localspec chat --resume "
+                          "NAME`).")
+            else:
+                try:
+                    s.save(target)
+                    self.save_as = target
+                    self._say(f"saved as {target!r}.")
+                except LocalspecError as e:
+                    self._say(f"error: {e}")
         elif name == "/system":
             if not arg:
                 self._say(f"system prompt: {s.system}" if s.system else "no system prompt.")
@@ -293,10 +344,12 @@ class ChatLoop:
             self.out.flush()
         if reply.interrupted:
             self._say("[interrupted]" + ("" if reply.text else " (nothing written; turn dropped)"))
-        elif reply.stats.stop_reason == "length":
+        elif reply.stats.stop_reason == "length" and reply.budget >= self.session.config.max_tokens:
             self._say(f"[reply cut at {reply.stats.generated_tokens} tokens; raise -n for more]")
-        elif reply.stats.stop_reason == "context":
-            self._say("[reply stopped: the context is full]")
+        elif reply.stats.stop_reason in ("length", "context"):
+            self._say(f"[reply cut at {reply.stats.generated_tokens} tokens: the context "
+                      f"({self.session.engine.ctx.n_ctx} tokens) is full; raise --ctx, or /reset "
+                      "to start over]")
         if self.show_stats:
             self._say(reply.stats.summary())
         if reply.interrupted and not self.interactive:

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import llama_cpp as C
 import numpy as np
 
-from .catalog import check_gguf_magic
+from .files import check_gguf_magic
 from .errors import LocalspecError
 
 # ---------------------------------------------------------------------------------------------
@@ -32,6 +32,9 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     # level 5 is GGML_LOG_LEVEL_CONT: a continuation of the previous message; follow its filter.
     if level != 5:
         _log_state["last_shown"] = level >= _log_state["min_level"]
+    placement = _log_state.get("placement")
+    if placement is not None and text and (b"using device " in text or b"offloaded " in text):
+        placement.append(text.decode("utf-8", "replace"))   # a load says where layers go
     if _log_state.get("last_shown") and text:
         captured = _log_state.get("captured")
         if captured is not None:  # a load in progress: its errors become part of our message
@@ -46,7 +49,13 @@ def set_log_level(level: str = "error") -> None:
 
     Never stdout: the editor protocol owns stdout. Default from LOCALSPEC_LOG, else "error".
     """
-    level = os.environ.get("LOCALSPEC_LOG", level).lower()
+    level = os.environ.get("LOCALSPEC_LOG", level).strip().lower()
+    if level not in _LOG_LEVEL_NAMES and level != "none":
+        if not _log_state.get("warned"):
+            print(f"localspec: warning: unknown LOCALSPEC_LOG level {level!r} (use debug, info, "
+                  "warn, error or none); showing errors.", file=sys.stderr)
+            _log_state["warned"] = True
+        level = "error"
     _log_state["min_level"] = _LOG_LEVEL_NAMES.get(level, 99)
     if _log_state["callback"] is None:
         _log_state["callback"] = C.llama_log_callback(_on_log)
@@ -64,9 +73,30 @@ def _ensure_backend() -> None:
         _backend_ready = True
 
 
+def ggml_function(name: str, restype, *argtypes):
+    """A function of ggml's exported C API, for what llama_cpp does not bind (RPC), with its
+    ctypes signature set. Looked up through libllama's handle, which also searches the ggml
+    libraries it was linked with: the very copies (and backend registry) llama.cpp uses. (The
+    wheel ships libggml.so and libggml.so.0 as two files; opening the first would load a second,
+    separate registry.)"""
+    _ensure_backend()
+    try:
+        fn = C.llama_cpp._lib[name]          # a fresh function object: llama_cpp's stay untouched
+    except AttributeError:
+        raise LocalspecError(f"this llama.cpp build does not export {name}; reinstall with "
+                             "./install.sh.") from None
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
 def system_info() -> str:
     """llama.cpp's compile-time CPU/GPU feature line (what this build can use)."""
     return C.llama_print_system_info().decode("utf-8", "replace").strip()
+
+
+def backend_version() -> str:
+    """llama-cpp-python's version: saved KV states are only read back by the same one."""
+    return C.__version__
 
 
 def supports_gpu_offload() -> bool:
@@ -137,6 +167,17 @@ class ModelParams:
     use_extra_bufts: Optional[bool] = None
 
 
+def _placement(lines: list) -> str:
+    """Where llama.cpp put the layers, from its load log: e.g. "31/31 layers on RPC0
+    (10.0.0.2:50052)"; "" when every layer stayed on the CPU."""
+    devices = [line.split("using device ", 1)[1].split(" (unknown id)")[0].split(" - ")[0].strip()
+               for line in lines if "using device " in line]
+    counts = [line.split("offloaded ", 1)[1].split()[0] for line in lines if "offloaded " in line]
+    if not devices or not counts or counts[0].startswith("0/"):
+        return ""
+    return f"{counts[0]} layers on {', '.join(devices)}"
+
+
 def _check_gguf_file(path: Path) -> None:
     if not path.exists():
         raise LocalspecError(f"model file not found: {path}")
@@ -164,17 +205,20 @@ class Model:
                       file=sys.stderr)
         mp.use_extra_bufts = extra
         self.repacked = bool(extra)       # CPU weight repacking on: part of the speed identity
-        _log_state["captured"] = []
+        self.n_gpu_layers = params.n_gpu_layers
+        _log_state["captured"], _log_state["placement"] = [], []
         try:
             self._model = C.llama_model_load_from_file(str(self.path).encode(), mp)
         finally:
             captured = _log_state.pop("captured")
+            placement = _log_state.pop("placement")
         if not self._model:
             reason = next((line.split("error loading model:")[-1].strip()
                            for line in "".join(captured).splitlines()
                            if "error loading model" in line), "truncated, corrupt or unsupported")
             raise LocalspecError(f"llama.cpp could not load {self.path}: {reason}; re-pull the "
                                  "model or check the file.")
+        self.placement = _placement(placement)
         self._vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab: int = C.llama_vocab_n_tokens(self._vocab)
         self.bos: int = C.llama_vocab_bos(self._vocab)
@@ -196,6 +240,18 @@ class Model:
         buf = ctypes.create_string_buffer(4096)
         n = C.llama_model_meta_val_str(self._model, key.encode(), buf, 4096)
         return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V rows take in an f16 KV cache over all layers (an estimate
+        from the hyperparameters; Qwen2.5-1.5B: 28 layers x 2 x 2 KV heads x 128 x 2 B = 28 KiB)."""
+        n_layer = C.llama_model_n_layer(self._model)
+        n_head = max(1, C.llama_model_n_head(self._model))
+        n_head_kv = C.llama_model_n_head_kv(self._model)
+        arch = self.meta("general.architecture") or ""
+        head_k = int(self.meta(f"{arch}.attention.key_length") or
+                     C.llama_model_n_embd(self._model) // n_head)
+        head_v = int(self.meta(f"{arch}.attention.value_length") or head_k)
+        return n_layer * n_head_kv * (head_k + head_v) * 2
 
     def vocab_type(self) -> int:
         return int(C.llama_vocab_type(self._vocab))
@@ -301,11 +357,14 @@ class ContextParams:
 class Context:
     """One sequence (seq 0) of KV cache over a Model, with the batch buffer reused for every decode.
 
-    Invariant: positions 0..n_past-1 of seq 0 are filled; decode() appends at n_past.
+    Invariant: `tokens` are the ids whose KV rows fill positions 0..n_past-1 of seq 0, in order;
+    decode() appends at n_past. Every change of the KV cache goes through this class, so `tokens`
+    is always what the cache holds, whatever raised in between.
     """
 
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
         self.model = model
+        self.params = params
         cp = C.llama_context_default_params()
         cp.n_ctx = params.n_ctx
         cp.n_batch = cp.n_ubatch = min(params.n_batch, params.n_ctx)
@@ -331,7 +390,12 @@ class Context:
         np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
-        self.n_past = 0
+        self.tokens: list = []
+
+    @property
+    def n_past(self) -> int:
+        """Positions filled in the KV cache."""
+        return len(self.tokens)
 
     def decode(self, tokens: Sequence[int], logits: str | Sequence[int] = "last") -> np.ndarray:
         """Append `tokens` at n_past and return logits for the chosen rows.
@@ -360,32 +424,139 @@ class Context:
             chunk = slice(start, min(n, start + self.n_batch))
             m = chunk.stop - chunk.start
             self._tok[:m] = tokens[chunk]
-            self._pos[:m] = np.arange(self.n_past, self.n_past + m)
+            self._pos[:m] = np.arange(self.n_past, self.n_past + m)  # n_past grows per chunk
             self._out[:m] = want[chunk]
             self._batch.n_tokens = m
             rc = C.llama_decode(self._ctx, self._batch)
             _state["decoded"] = True
             if rc != 0:
+                self._drop_failed_chunk()
                 raise LocalspecError(f"llama.cpp decode failed (code {rc}); the context may be full.")
-            self.n_past += m
+            self.tokens.extend(int(t) for t in tokens[chunk])
         if n_rows == 0:
             return np.empty((0, self.model.n_vocab), dtype=np.float32)
         ptr = C.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
 
+    def sync(self, tokens: Sequence[int], stop=None, chunk: int = 0) -> tuple:
+        """Make the KV cache hold exactly `tokens`: keep the longest prefix it already holds,
+        drop the rest, evaluate what is missing. The last token is always evaluated, since its
+        logits row is returned. The one place KV prefix reuse is decided.
+        Returns (logits row [n_vocab] float32 view, number of rows reused); the row is None when
+        `stop` (a threading.Event) was set between two chunks of `chunk` tokens (0: n_batch).
+
+        Example: KV holds [5, 6, 7, 8]; sync([5, 6, 9]) drops the rows of 7 and 8, decodes 9
+        and returns (row of 9, 2).
+        """
+        if len(tokens) == 0:
+            raise ValueError("sync() needs at least one token")
+        common = 0
+        for held, wanted in zip(self.tokens, tokens):
+            if held != wanted:
+                break
+            common += 1
+        if not self.truncate(min(common, len(tokens) - 1)):
+            self.clear()              # the memory refuses partial removal: start over
+        reused = self.n_past
+        step = min(chunk or self.n_batch, self.n_batch)
+        while len(tokens) - self.n_past > step:   # whole chunks before the last: no logits
+            if stop is not None and stop.is_set():
+                return None, reused
+            self.decode(tokens[self.n_past:self.n_past + step], logits="none")
+        if stop is not None and stop.is_set():
+            return None, reused
+        return self.decode(tokens[self.n_past:], logits="last")[0], reused
+
     def truncate(self, n_keep: int) -> bool:
         """Drop KV rows at positions >= n_keep. Returns False when the model's memory refuses a
-        partial removal (recurrent/hybrid models); n_past is left unchanged then."""
+        partial removal (recurrent/hybrid models); the cache is left unchanged then."""
+        if n_keep < 0:
+            raise ValueError(f"truncate() needs n_keep >= 0, got {n_keep}")
         if n_keep >= self.n_past:
             return True
         ok = bool(C.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
         if ok:
-            self.n_past = n_keep
+            del self.tokens[n_keep:]
         return ok
 
     def clear(self) -> None:
         C.llama_memory_clear(self._mem, True)
-        self.n_past = 0
+        self.tokens = []
+
+    def rows_held(self) -> int:
+        """KV rows llama.cpp holds for seq 0 (n_past, unless an interrupt broke bookkeeping)."""
+        return int(C.llama_memory_seq_pos_max(self._mem, 0)) + 1     # 0 when empty
+
+    def reconcile(self) -> None:
+        """Make the cache agree with `tokens` after an interruption: a Ctrl-C that lands between
+        llama_decode returning and its rows being recorded leaves rows nobody knows about."""
+        held = self.rows_held()
+        if held > self.n_past:
+            self._drop_failed_chunk()
+        elif held < self.n_past:
+            self.clear()
+
+    def _drop_failed_chunk(self) -> None:
+        """A failed llama_decode may leave part of its batch in the cache: keep the chunks that
+        succeeded (`tokens` already lists exactly those), or nothing if that is refused."""
+        if not bool(C.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)):
+            self.clear()
+
+    # -- saved states (what the prompt cache keeps) ------------------------------------------
+    def state_size(self) -> int:
+        """Bytes save_state() writes now: seq 0's KV rows, their positions, a small header."""
+        return int(C.llama_state_seq_get_size(self._ctx, 0))
+
+    def save_state(self, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Copy seq 0's KV state (positions 0..n_past-1) out of llama.cpp.
+
+        out: a reusable uint8 buffer of at least state_size() bytes. Returns the filled bytes,
+        [state_size()] uint8. Logits are not saved: after restore_state(), decode at least one
+        token before sampling.
+        """
+        size = self.state_size()
+        if out is None:
+            out = np.empty(size, dtype=np.uint8)
+        elif out.dtype != np.uint8 or out.size < size or not out.flags.c_contiguous:
+            raise ValueError(f"save_state needs a contiguous uint8 buffer of {size} bytes")
+        dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        n = C.llama_state_seq_get_data(self._ctx, dst, size, 0)
+        if n != size:
+            raise LocalspecError(f"llama.cpp wrote {n} of {size} bytes of KV state.")
+        return out[:size]
+
+    def restore_state(self, data, tokens: Sequence[int]) -> None:
+        """Replace seq 0 with a state save_state() took from a context of the same model and
+        settings that held `tokens`; they become `self.tokens`.
+
+        data: bytes or a uint8 array. Raises LocalspecError, leaving the context empty, when
+        llama.cpp refuses the state (other layer count, KV types, too few cells) or the state
+        does not hold exactly positions 0..n_tokens-1.
+        """
+        n_tokens = len(tokens)
+        if n_tokens > self.n_ctx:
+            self.clear()
+            raise LocalspecError(f"a saved state of {n_tokens} tokens does not fit a context of "
+                                 f"{self.n_ctx}; raise --ctx.")
+        src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        # Seq 0 is all this context holds: start from an empty cache so the rows land in cells
+        # 0..n-1 as a fresh evaluation's would (the same cell layout, the same sums).
+        C.llama_memory_clear(self._mem, True)
+        _log_state["captured"] = []   # llama.cpp says why it refuses; that goes in our message
+        try:
+            n = C.llama_state_seq_set_data(
+                self._ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), src.size, 0)
+        finally:
+            captured = _log_state.pop("captured")
+        lo = C.llama_memory_seq_pos_min(self._mem, 0)
+        hi = C.llama_memory_seq_pos_max(self._mem, 0)
+        if n == 0 or (n_tokens and (lo, hi) != (0, n_tokens - 1)) or (not n_tokens and hi >= 0):
+            self.clear()
+            why = " ".join(line.split(":", 1)[-1].strip() for line in "".join(captured)
+                           .splitlines() if line.strip()) or \
+                f"it holds positions {lo}..{hi}, not 0..{n_tokens - 1}"
+            raise LocalspecError(f"llama.cpp refused a saved KV state: {why}.")
+        self.tokens = [int(t) for t in tokens]
 
     def close(self) -> None:
         if self._ctx:

@@ -1,4 +1,5 @@
-"""Proposers: where draft tokens come from. Each has the same small lifecycle:
+"""Proposers: where draft tokens come from. Every proposer has the same small lifecycle
+(the `Proposer` base class); the engine depends on that and nothing else:
 
     begin(history, document, sampling, seed)   the prompt tokens and request settings
     propose(policy, room) -> Proposal          draft tokens; the proposer asks the policy for k
@@ -6,19 +7,21 @@
     close()
 
 A cheap proposer (n-gram) looks first and asks the policy how many of its tokens to use; a costly
-one (draft model) asks the policy for k first and only then spends time drafting.
+one (draft model) asks the policy for k first and only then spends time drafting. Proposers are
+built from the engine's config by factory.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .calibrate import load_or_measure
 from .llama import Context, ContextParams, Model
-from .ngram import SOURCE_DOCUMENT, NgramIndex
-from .policy import DraftPolicy
+from .ngram import NGRAM_MAX, NGRAM_TIE, SOURCE_DOCUMENT, NgramIndex
+from .policy import CostCurve, DraftPolicy
 from .sampling import SamplingParams, draw, target_dist
 
 
@@ -38,20 +41,46 @@ class Proposal:
 EMPTY = Proposal([], None, "none")
 
 
-class NgramProposer:
+class Proposer:
+    """The lifecycle the engine depends on. The last two methods matter only to proposers that
+    run a draft model: its cost enters the policy, and where it cannot pay it is dropped."""
+
+    name = "proposer"
+    uses_draft_model = False
+
+    def begin(self, history: Sequence[int], document: Optional[Sequence[int]] = None,
+              sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
+        raise NotImplementedError
+
+    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
+        raise NotImplementedError
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def draft_cost(self, target: CostCurve, progress: Optional[Callable[[str], None]] = None
+                   ) -> float:
+        """One draft-model decode in target-decode units (0: drafting costs nothing)."""
+        return 0.0
+
+    def without_draft_model(self) -> Optional["Proposer"]:
+        """What is left once the draft model is dropped (closing it): self, a part, or None."""
+        return self
+
+
+class NgramProposer(Proposer):
     """Prompt lookup: continue the longest suffix (up to ngram_max tokens) that occurred earlier
-    in the prompt, the generated text, or the lookup document, from its earliest occurrence
-    (C matcher, incremental, no rescans)."""
+    in the prompt, the generated text, or the lookup document (C matcher, incremental, no
+    rescans; occurrence chosen by `tie`, see ngram.py for the defaults and why)."""
 
     name = "ngram"
 
     KEY_LENGTHS = 4    # match lengths 1, 2, 3 and 4+ are learned apart
 
-    def __init__(self, ngram_min: int = 1, ngram_max: int = 8, tie: str = "earliest"):
-        # Replaying the workloads' plain outputs through the matcher (scripts/policy_replay.py):
-        # suffixes up to 8 tokens and the earliest occurrence (the quoted source rather than
-        # the model's own recent echo of it) predict code edits best: 2.84x vs 2.55x in
-        # decode-step units for up to 4 tokens and the most recent occurrence.
+    def __init__(self, ngram_min: int = 1, ngram_max: int = NGRAM_MAX, tie: str = NGRAM_TIE):
         self._index = NgramIndex(ngram_min=ngram_min, ngram_max=ngram_max, tie=tie)
 
     def policy_key(self, source: str, ngram_len: int) -> str:
@@ -85,25 +114,28 @@ class NgramProposer:
         self._index.close()
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     """A smaller model of the same family drafts autoregressively in its own context.
 
-    Its KV is kept in step with the target by common prefix: before drafting, rows past the
-    accepted history are dropped and only the tokens it has not seen (the recovered/bonus token,
-    at most one more) are decoded — never a re-prefill of the whole history.
+    Owns its model and context. Its KV is kept in step with the target by common prefix
+    (Context.sync): before drafting, rows past the accepted history are dropped and only the
+    tokens it has not seen (the recovered/bonus token, at most one more) are decoded, never a
+    re-prefill of the whole history.
     """
 
     name = "draft"
+    uses_draft_model = True
 
     def __init__(self, model: Model, params: ContextParams, n_vocab_target: int,
-                 min_confidence: float = 0.0):
+                 min_confidence: float = 0.0, n_gpu_layers: int = 0, cache=None):
         self.model = model
+        self.cache = cache                        # a PromptCache shared with the target, or None
         self.ctx = Context(model, params)
         # Draft ids the target does not have are never proposed: logits are cut to shared ids.
         self.n_shared = min(n_vocab_target, model.n_vocab)
         self.min_confidence = min_confidence      # stop drafting when p_draft(x) falls below
+        self.n_gpu_layers = n_gpu_layers          # part of its calibration's identity
         self._history: list = []
-        self._kv: list = []                       # tokens whose rows are in self.ctx
         self._sampling = SamplingParams()
         self._rng = np.random.default_rng(0)
 
@@ -113,15 +145,18 @@ class DraftProposer:
         self._sampling = sampling or SamplingParams()
         self._rng = np.random.default_rng(seed ^ 0x5EED)   # independent of the target's stream
         # Prompt processing for the draft belongs with the target's prefill (time to first
-        # token); left to the first proposal it would stall decoding for a whole prefill.
-        self._sync()
+        # token); left to the first proposal it would stall decoding for a whole prefill. A
+        # prompt seen before comes back from the cache, as the target's does.
+        if self.cache is not None:
+            self.cache.prepare(self.ctx, self._history)
+        self.ctx.sync(self._history)
 
     def propose(self, policy: DraftPolicy, room: int) -> Proposal:
         k = policy.choose_k("draft", available=min(room, self.ctx.n_ctx - len(self._history)),
                             probe=True)
         if k <= 0:
             return EMPTY
-        row = self._sync()
+        row, _ = self.ctx.sync(self._history)
         tokens, dists = [], []
         for i in range(k):
             dist = target_dist(row[: self.n_shared], self._sampling, self._history + tokens)
@@ -131,38 +166,29 @@ class DraftProposer:
             if i == k - 1 or (self.min_confidence and dist.prob(x) < self.min_confidence):
                 break
             row = self.ctx.decode([x], logits="last")[0]
-            self._kv.append(x)
         return Proposal(tokens, None if self._sampling.greedy else dists, "draft")
 
     def accept(self, tokens: Sequence[int]) -> None:
         self._history.extend(tokens)
 
-    def _sync(self):
-        """Make the draft KV hold exactly the history; return the logits row after it."""
-        if self.ctx.n_past != len(self._kv):      # someone else used the context (calibration)
-            self.ctx.clear()
-            self._kv = []
-        common = 0
-        for a, b in zip(self._kv, self._history):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(self._history) - 1)
-        if not self.ctx.truncate(common):
-            self.ctx.clear()
-            common = 0
-        row = self.ctx.decode(self._history[common:], logits="last")[0]
-        self._kv = list(self._history)
-        return row
+    def draft_cost(self, target: CostCurve, progress=None) -> float:
+        mine = load_or_measure(self.ctx, self.n_gpu_layers, 1, progress=progress)
+        return mine.ms_per_step / target.ms_per_step
+
+    def without_draft_model(self) -> None:
+        self.close()
+        return None
 
     def close(self) -> None:
         self.ctx.close()
+        self.model.close()
 
 
-class HybridProposer:
+class HybridProposer(Proposer):
     """n-gram first; where it has no usable match, the draft model proposes."""
 
     name = "hybrid"
+    uses_draft_model = True
 
     def __init__(self, ngram: NgramProposer, draft: DraftProposer):
         self.ngram, self.draft = ngram, draft
@@ -181,6 +207,13 @@ class HybridProposer:
     def accept(self, tokens) -> None:
         self.ngram.accept(tokens)
         self.draft.accept(tokens)
+
+    def draft_cost(self, target: CostCurve, progress=None) -> float:
+        return self.draft.draft_cost(target, progress)
+
+    def without_draft_model(self) -> NgramProposer:
+        self.draft.close()
+        return self.ngram
 
     def close(self) -> None:
         self.ngram.close()

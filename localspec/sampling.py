@@ -37,6 +37,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    def penalty_window(self, history: Sequence[int]) -> list:
+        """The tokens the repetition penalty sees: the last repeat_last_n of `history` (all of
+        them when repeat_last_n is 0), or none when the penalty is off.
+        Example: repeat_penalty 1.1, repeat_last_n 2, history [4, 5, 6] -> [5, 6]."""
+        if self.repeat_penalty == 1.0:
+            return []
+        return list(history[-self.repeat_last_n:]) if self.repeat_last_n > 0 else list(history)
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -78,9 +86,7 @@ def target_dist(logits: np.ndarray, params: SamplingParams, history: Sequence[in
     Example (top_k=2, top_p=1, min_p=0, temperature=1): logits [0, ln 3, ln 1, -inf]
     -> ids [0, 1], probs [0.25, 0.75].
     """
-    if params.repeat_penalty != 1.0:
-        recent = history[-params.repeat_last_n:] if params.repeat_last_n > 0 else history
-        logits = apply_penalty(logits, recent, params.repeat_penalty)
+    logits = apply_penalty(logits, params.penalty_window(history), params.repeat_penalty)
     if params.greedy:
         return point_mass(int(np.argmax(logits)))
     n_vocab = logits.shape[0]
@@ -109,9 +115,7 @@ def target_dist(logits: np.ndarray, params: SamplingParams, history: Sequence[in
 def top2_gap(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> float:
     """Logit margin between the best and second-best token after the repetition penalty: how
     firmly greedy decoding chose. Example: logits [1.0, 3.5, 3.0] -> 0.5."""
-    if params.repeat_penalty != 1.0:
-        recent = history[-params.repeat_last_n:] if params.repeat_last_n > 0 else history
-        logits = apply_penalty(logits, recent, params.repeat_penalty)
+    logits = apply_penalty(logits, params.penalty_window(history), params.repeat_penalty)
     best = int(np.argmax(logits))      # argmax + two max passes: ~7x cheaper than a partition
     second = max(logits[:best].max(initial=-np.inf), logits[best + 1:].max(initial=-np.inf))
     return float(logits[best] - second)

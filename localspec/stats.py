@@ -15,6 +15,8 @@ class GenerationStats:
 
     prompt_tokens: int = 0
     prefill_tokens: int = 0          # prompt tokens actually evaluated (the rest came from KV reuse)
+    reused_tokens: int = 0           # prompt tokens whose KV rows were reused, not evaluated
+    reused_by_source: dict = field(default_factory=dict)  # "context" | "ram" | "disk" -> tokens
     generated_tokens: int = 0
     steps: int = 0
     spec_steps: int = 0              # steps that verified at least one draft
@@ -27,6 +29,7 @@ class GenerationStats:
     drafted_by_source: dict = field(default_factory=dict)
     accepted_by_source: dict = field(default_factory=dict)
     prefill_ms: float = 0.0
+    restore_ms: float = 0.0          # loading a saved KV state (part of prefill_ms)
     propose_ms: float = 0.0
     verify_ms: float = 0.0           # target decodes of [last] + drafts
     sample_ms: float = 0.0           # sampler chain and verification maths
@@ -51,6 +54,18 @@ class GenerationStats:
             self.drafted_by_pos[i] += 1
             self.accepted_by_pos[i] += i < n_accepted
 
+    def record_reuse(self, source: str, reused: int, restore_ms: float = 0.0) -> None:
+        """One prefill reused `reused` prompt tokens from `source` (a prompt cache Reuse)."""
+        if reused:
+            self.reused_tokens += reused
+            self.reused_by_source[source] = self.reused_by_source.get(source, 0) + reused
+        self.restore_ms += restore_ms
+
+    @property
+    def reuse_source(self) -> str:
+        """Where most reused prompt tokens came from ("" when none were reused)."""
+        return max(self.reused_by_source, key=self.reused_by_source.get, default="")
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
@@ -69,9 +84,10 @@ class GenerationStats:
 
     def merge(self, other: "GenerationStats") -> None:
         """Add another request's counters into this one (session totals)."""
-        for name in ("prompt_tokens", "prefill_tokens", "generated_tokens", "steps", "spec_steps",
-                     "drafted", "accepted", "step_tokens", "rechecks", "prefill_ms", "propose_ms",
-                     "verify_ms", "sample_ms", "total_ms"):
+        for name in ("prompt_tokens", "prefill_tokens", "reused_tokens", "generated_tokens",
+                     "steps", "spec_steps", "drafted", "accepted", "step_tokens", "rechecks",
+                     "prefill_ms", "restore_ms", "propose_ms", "verify_ms", "sample_ms",
+                     "total_ms"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_pos, other.drafted_by_pos),
                              (self.accepted_by_pos, other.accepted_by_pos)):
@@ -79,7 +95,8 @@ class GenerationStats:
             for i, v in enumerate(theirs):
                 mine[i] += v
         for mine, theirs in ((self.drafted_by_source, other.drafted_by_source),
-                             (self.accepted_by_source, other.accepted_by_source)):
+                             (self.accepted_by_source, other.accepted_by_source),
+                             (self.reused_by_source, other.reused_by_source)):
             for key, v in theirs.items():
                 mine[key] = mine.get(key, 0) + v
         self.stop_reason = other.stop_reason
@@ -88,16 +105,20 @@ class GenerationStats:
         d = asdict(self)
         d.update(acceptance_rate=round(self.acceptance_rate, 4),
                  mean_accepted_len=round(self.mean_accepted_len, 3),
-                 decode_tokens_per_s=round(self.decode_tokens_per_s, 2))
+                 decode_tokens_per_s=round(self.decode_tokens_per_s, 2),
+                 reuse_source=self.reuse_source)
         return d
 
     def summary(self) -> str:
         """One line for humans (stderr)."""
         by_src = ", ".join(f"{s} {self.accepted_by_source.get(s, 0)}/{n}"
                            for s, n in sorted(self.drafted_by_source.items()))
+        reused = ", ".join(f"{n} reused from {s}" for s, n in sorted(self.reused_by_source.items()))
         return (f"{self.generated_tokens} tokens in {self.total_ms / 1000:.2f}s "
                 f"({self.decode_tokens_per_s:.1f} tok/s decode), prompt {self.prompt_tokens} "
-                f"({self.prefill_tokens} evaluated, {self.prefill_ms:.0f} ms); "
+                f"({self.prefill_tokens} evaluated, "
+                + (f"{reused}, " if reused else "")
+                + f"{self.prefill_ms:.0f} ms); "
                 f"steps {self.steps} ({self.spec_steps} speculative), "
                 f"accepted {self.accepted}/{self.drafted} ({100 * self.acceptance_rate:.0f}%)"
                 + (f" [{by_src}]" if by_src else "")

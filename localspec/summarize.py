@@ -206,7 +206,10 @@ class Summarizer:
         self._budgets: dict = {}
 
     def messages(self, body: str, reduce: bool = False) -> list:
-        head = f"{REDUCE_NOTE} {self.instruction}" if reduce else self.instruction
+        """One user message, the instruction first: every call of a run (each chunk, each
+        document, the reduce step) then begins with the same tokens, whose KV rows the engine
+        reuses instead of reading them again."""
+        head = f"{self.instruction}\n\n{REDUCE_NOTE}" if reduce else self.instruction
         return [{"role": "user", "content": f"{head}\n\n{body}"}]
 
     def count(self, text: str) -> int:
@@ -288,7 +291,8 @@ def check_collisions(sources: Sequence[Source], out_dir: Path, fmt: str) -> None
 
 def render(src: Source, summary: Summary, fmt: str) -> str:
     if fmt == "jsonl":
-        return json.dumps({"path": src.display, "summary": summary.text, "chunks": summary.chunks,
+        return json.dumps({"path": src.display, "summary": summary.text,
+                           "finish_reason": summary.stats.stop_reason, "chunks": summary.chunks,
                            "calls": summary.calls, "stats": summary.stats.to_dict()},
                           ensure_ascii=False) + "\n"
     return summary.text + "\n"

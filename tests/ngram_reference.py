@@ -71,3 +71,13 @@ class ReferenceMatcher:
                     seen.add(tuple(cont))
                     out.append((cont, src, L, e))
         return out
+
+    def support(self, tokens: list[int], source: int, ngram_len: int) -> tuple[int, list[int]]:
+        """(n_occ, agree) as lsng_support defines them, for a proposal of `tokens`."""
+        if ngram_len == 0:
+            return 0, [0] * len(tokens)
+        src = self.document if source == DOCUMENT else self.history
+        occs = self.occurrences(src, self.history[len(self.history) - ngram_len:])
+        occs = occs[:self.max_chain]
+        agree = [sum(src[e:e + i + 1] == tokens[:i + 1] for e in occs) for i in range(len(tokens))]
+        return len(occs), agree

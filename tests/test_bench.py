@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from localspec.bench import (DEFAULT_WORKLOADS, Bench, BenchSettings, Case, Row, first_difference,
                              geomean, load_workloads, parse_modes, read_source, summarize)
-from localspec.cli_bench import bench, format_rows, format_summary, main
+from localspec.bench import format_rows, format_summary
+from localspec.cli.bench import bench, main
 from localspec.errors import LocalspecError
 
 SMALL_WORKLOADS = [
@@ -232,7 +233,7 @@ def test_peer_on_smollm_counts_tokens_and_compares_text(smollm_path, small_workl
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from localspec.cli_bench import plot_ratios
+    from localspec.bench.report import plot_ratios
 
     rows = [_row("a", "chat", "plain", None), _row("a", "chat", "ngram", 1.5),
             _row("a", "chat", "peer", 0.6), _row("b", "code-edit", "ngram", 2.5)]

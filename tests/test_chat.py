@@ -316,3 +316,26 @@ def test_terminal_ctrl_c_mid_reply_then_ctrl_d(tiny_path, home):
         assert term.wait() == 0
     finally:
         term.close()
+
+
+def test_save_and_resume_continue_without_rereading(tiny_path, home):
+    """--save keeps the turns and the KV rows; --resume brings both back, so the next message
+    evaluates only its own tokens (from "disk", not the whole conversation), and the reply is
+    the one an uninterrupted chat would have given."""
+    first = ["tell me about the sea " * 4, "and about rivers " * 4]
+    rc, out1, err = run_piped(tiny_path, home, "\n".join(first) + "\n", "-n", "12",
+                              "--save", "notes")
+    assert rc == 0 and "saved the chat as 'notes'" in err, err
+    rc, out2, err = run_piped(tiny_path, home, "and lakes?\n/stats\n", "-n", "12", "--stats",
+                              "--resume", "notes")
+    assert rc == 0, err
+    assert "resumed 'notes': 2 turns, its" in err and "tokens of KV restored" in err, err
+    expected, _ = replay(tiny_path, first + ["and lakes?"], max_tokens=12)
+    assert out1 + out2 == expected
+    last = next(line for line in err.splitlines() if line.startswith("last reply:"))
+    prompt, evaluated, reused = map(int, re.search(
+        r"prompt (\d+) \((\d+) evaluated, (\d+) reused", last).groups())
+    # only the new message and its template around it are read (byte tokens on the tiny model)
+    assert evaluated == prompt - reused and reused > 3 * evaluated, last
+    rc, _, err = run_piped(tiny_path, home, "", "--resume", "no-such-chat")
+    assert rc == 1 and "no saved session named 'no-such-chat'" in err and "notes" in err

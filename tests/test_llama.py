@@ -165,3 +165,26 @@ def test_cli_generate_streams_completion_to_stdout(tiny_path):
     assert r.returncode == 0, r.stderr
     assert len(r.stdout) > 0
     assert "tokens/step" in r.stderr            # stats go to stderr, never stdout
+
+
+def test_context_tracks_the_tokens_its_cache_holds(tiny_model):
+    """Context.tokens is what the KV cache holds; sync() reuses the longest common prefix and
+    always evaluates the last token; reconcile() drops rows an interrupt left unrecorded."""
+    with Context(tiny_model, ContextParams(n_ctx=256, n_threads=1)) as ctx:
+        a = tiny_model.tokenize("abcdef")
+        row, reused = ctx.sync(a)
+        assert reused == 0 and ctx.tokens == a and row.shape == (tiny_model.n_vocab,)
+        b = a[:4] + tiny_model.tokenize("xyz", add_special=False)
+        fresh = np.array(ctx.sync(b)[0])
+        assert ctx.sync(b)[1] == len(b) - 1          # same tokens again: only the last re-done
+        with Context(tiny_model, ContextParams(n_ctx=256, n_threads=1)) as cold:
+            # other batch shapes, so not bit for bit; a wrong position would miss by whole units
+            np.testing.assert_allclose(np.array(cold.sync(b)[0]), fresh, atol=1e-3)
+        with pytest.raises(ValueError):
+            ctx.truncate(-1)                          # never a negative position
+        assert ctx.tokens == b
+        n = ctx.n_past
+        ctx.tokens = ctx.tokens[:2]                   # as if an interrupt skipped the bookkeeping
+        ctx.reconcile()
+        assert ctx.n_past == 2 and ctx.sync(b)[1] == 2
+        assert n == len(b)

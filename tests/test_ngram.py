@@ -91,6 +91,25 @@ def test_candidates_are_distinct_and_start_with_the_proposal():
 
 # ---- edge cases ---------------------------------------------------------------------------------
 
+def test_support_counts_occurrences_and_agreeing_continuations():
+    idx = NgramIndex(ngram_min=1, ngram_max=2, tie=TIE_EARLIEST)
+    idx.append([9, 1, 5, 6, 2, 1, 5, 6, 3, 1, 5, 7, 4, 1])   # "1" continues "5 6" twice, "5 7" once
+    m = idx.propose(3)
+    assert (m.tokens.tolist(), m.ngram_len) == ([5, 6, 2], 1)
+    n_occ, agree = idx.support(m)
+    assert (n_occ, agree.tolist()) == (3, [3, 2, 1])
+    idx.append([8])                                           # "1 8": no match at all
+    m = idx.propose(3)
+    assert m.ngram_len == 0 and idx.support(m)[0] == 0
+    doc_idx = NgramIndex(ngram_min=1, ngram_max=2)
+    doc_idx.append([4, 4])
+    doc_idx.set_document([7, 4, 4, 1, 4, 4, 1, 4, 4, 2])     # "4 4" in the document: 3 times
+    m = doc_idx.propose(2)
+    assert (m.source, m.ngram_len) == (SOURCE_DOCUMENT, 2)
+    n_occ, agree = doc_idx.support(m)
+    assert n_occ == 3 and agree.tolist()[0] == 1              # newest: "2"; others "1 4"
+
+
 def test_empty_history():
     with NgramIndex() as idx:
         assert len(idx) == 0
@@ -199,7 +218,7 @@ def test_match_is_frozen():
 
 def test_int32_arrays_pass_without_copy_and_strided_ones_work():
     tokens = np.arange(20, dtype=np.int32) % 4
-    with NgramIndex(capacity=1) as idx:                  # grows 1 -> 32
+    with NgramIndex(capacity=1, tie=TIE_RECENT) as idx:  # grows 1 -> 32
         idx.append(tokens[::2])                           # strided: 0 2 0 2 ...
         idx.append(tokens[:3])                            # 0 1 2
         assert len(idx) == 13
@@ -278,6 +297,8 @@ def check(idx, ref, rng):
     if rng.random() < 0.8:
         m = idx.propose(k)
         assert (m.tokens.tolist(), m.source, m.ngram_len, idx._match.pos) == ref.propose(k)
+        n_occ, agree = idx.support(m)
+        assert (n_occ, agree.tolist()) == ref.support(m.tokens.tolist(), m.source, m.ngram_len)
     else:
         n = int(rng.integers(0, 9)) if rng.random() < 0.8 else int(rng.integers(9, 300))
         got = [(c.tokens.tolist(), c.source, c.ngram_len) for c in idx.candidates(k, n)]

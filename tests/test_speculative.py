@@ -12,7 +12,7 @@ from scipy import stats as sps
 from localspec.engine import Engine, EngineConfig
 from localspec.llama import Context, ContextParams
 from localspec.policy import PolicyConfig
-from localspec.proposers import Proposal
+from localspec.proposers import Proposal, Proposer
 from localspec.sampling import Dist, SamplingParams, target_dist
 from localspec.sampling import top2_gap as row_gap
 
@@ -31,10 +31,11 @@ TIE_GAP = 0.5   # logits; a divergence at a larger top-2 gap than this fails the
 
 
 def engine(model, proposer="ngram", fixed_k=None, n_ctx=1024, draft=None, exact=False,
-           tie_margin=EngineConfig.tie_margin):
+           tie_margin=EngineConfig.tie_margin, runs=None):
+    """An engine on `model`; `runs` is a proposer object to use instead of building one."""
     return Engine(model, EngineConfig(proposer=proposer, n_ctx=n_ctx, n_threads=1, exact=exact,
                                       draft=str(draft) if draft else None, tie_margin=tie_margin,
-                                      policy=PolicyConfig(fixed_k=fixed_k)))
+                                      policy=PolicyConfig(fixed_k=fixed_k)), proposer=runs)
 
 
 def first_divergence(a, b):
@@ -192,7 +193,7 @@ def test_kv_after_many_rejections_matches_a_fresh_context(tiny_model):
 
 # --- distribution --------------------------------------------------------------------------------
 
-class TableProposer:
+class TableProposer(Proposer):
     """Drafts up to k tokens by sampling a fixed distribution q (independent of context) and
     reports q as p_draft: a proposer with a non-trivial p_draft, for the distribution test."""
 
@@ -263,22 +264,24 @@ def test_sampled_distribution_matches_plain_sampling(tiny_dir, temperature, prop
     n = 10_000
     draft = make_tiny_gguf(tiny_dir / "tiny-peaked-draft.gguf", seed=3, logit_scale=5.0,
                            noise=0.3) if proposer == "draft" else None
-    with Model(path) as model, engine(model, "draft" if draft else "ngram", fixed_k=3,
-                                      n_ctx=512, draft=draft) as spec:
+    with Model(path) as model:
         # Every byte token occurs in the prompt, so the n-gram proposer always has a match.
         prompt = [model.bos, *range(3, 259), *[3 + ord("a"), 3 + ord("b")] * 4]
-        prompt_tokens = spec.tokenize_prompt(prompt)
-        probs = exact_sequence_probs(model, prompt_tokens, SamplingParams(**sampling))
+        probs = exact_sequence_probs(model, prompt, SamplingParams(**sampling))
+        table = None
         if proposer == "table":
             ids = np.array(sorted({t for seq in probs for t in seq}), dtype=np.int32)
             q = Dist(ids, np.random.default_rng(0).dirichlet(np.ones(len(ids))))
-            spec.proposer = TableProposer(q, seed=1)
+            table = TableProposer(q, seed=1)
+        spec = engine(model, "draft" if draft else "ngram", fixed_k=3, n_ctx=512, draft=draft,
+                      runs=table)
         counts, drafted = {}, 0
-        for i in range(n):
-            gen = spec.generate(prompt, SamplingParams(**sampling, seed=i), max_tokens=3)
-            seq = tuple(gen.complete_tokens())
-            counts[seq] = counts.get(seq, 0) + 1
-            drafted += gen.stats.drafted
+        with spec:
+            for i in range(n):
+                gen = spec.generate(prompt, SamplingParams(**sampling, seed=i), max_tokens=3)
+                seq = tuple(gen.complete_tokens())
+                counts[seq] = counts.get(seq, 0) + 1
+                drafted += gen.stats.drafted
     assert drafted > n  # speculation really ran
     if proposer == "draft":
         assert gen.stats.drafted_by_source.keys() <= {"draft"}
@@ -340,7 +343,7 @@ def test_a_draft_as_slow_as_the_target_is_dropped(smollm, smollm_path, proposer,
     with engine(smollm, proposer, fixed_k=None, draft=smollm_path) as spec:
         gen = spec.generate("Count: 1 2 3 4 5 6 7 8 9 1 2 3 4 5 6 7 8 9", max_tokens=48)
         out = gen.complete_tokens()
-        assert spec.draft_model is None
+        assert spec.proposer is None or not spec.proposer.uses_draft_model
         assert "draft" not in gen.stats.drafted_by_source
         if proposer == "draft":
             assert spec.proposer is None and gen.stats.spec_steps == 0

@@ -237,14 +237,19 @@ def test_long_document_takes_the_map_reduce_path(tiny_path, tmp_path):
                                  document=document)
         engine.generate = spy
         summary = Summarizer(engine, SamplingParams(), 8).summarize(text)
+        shared = len(engine.model.tokenize(sm.DEFAULT_INSTRUCTION, add_special=False))
     assert summary.chunks > 2 and summary.calls == len(calls) > summary.chunks
     assert all(n + 8 <= 512 for n, _, _ in calls)               # every prompt fits with its output
     for _, content, document in calls:                           # the body is the lookup document
         assert content.endswith("\n\n" + document)
     maps, reduces = calls[:summary.chunks], calls[summary.chunks:]
     assert " ".join(d for _, _, d in maps).split() == text.split()
-    assert all(c.startswith(sm.REDUCE_NOTE) for _, c, _ in reduces)
+    # the instruction comes first in every call, the reduce note after it: the instruction's
+    # KV rows are read once and reused by every later call (the prompt-cache issue)
+    assert all(c.startswith(sm.DEFAULT_INSTRUCTION + "\n\n" + sm.REDUCE_NOTE) for _, c, _ in reduces)
+    assert all(c.startswith(sm.DEFAULT_INSTRUCTION) for _, c, _ in maps)
     assert summary.stats.prompt_tokens == sum(n for n, _, _ in calls)
+    assert summary.stats.reused_tokens >= (summary.calls - 1) * shared > 0
     assert summary.stats.generated_tokens <= 8 * summary.calls
 
 

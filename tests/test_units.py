@@ -149,7 +149,13 @@ def test_build_flags_cuda_metal_and_overrides():
     assert "-DGGML_CUDA=ON" not in choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=False)[0]
     assert "-DGGML_CUDA=ON" in choose("Linux", "x86_64", "", False, False, cuda_env="1")[0]
     assert choose("Darwin", "arm64", "", False, False)[0] == ["-DGGML_LLAMAFILE=OFF",
-                                                              "-DGGML_METAL=ON"]
+                                                              "-DGGML_RPC=ON", "-DGGML_METAL=ON"]
+
+
+def test_build_flags_include_the_rpc_backend_on_every_host():
+    """`--rpc` and `localspec rpc-server` need ggml-rpc in the one build install.sh makes."""
+    for host in [("Linux", "x86_64", AMX_HOST), ("Darwin", "arm64", ""), ("Linux", "aarch64", "")]:
+        assert "-DGGML_RPC=ON" in choose(*host, nvcc=False, gpu=False)[0]
 
 
 def test_build_flags_cuda_builds_for_the_gpu_it_finds():

@@ -140,6 +140,28 @@ static void subject_append(subject *sj, const model *md, const int32_t *tokens, 
     CHECK_RC(lsng_append(sj->hist, tokens, n));
 }
 
+/* lsng_support of a proposal against a brute-force count over the same occurrences. */
+static void check_support(const subject *sj, const model *md, const lsng_match *m,
+                          const int32_t *tokens)
+{
+    static int32_t occ[MAX_HIST + MAX_K], agree[MAX_K];
+    const int32_t *s = m->source ? md->doc : md->hist;
+    int32_t len = m->source ? md->m : md->n, n_occ = -1;
+    CHECK_RC(lsng_support(sj->hist, sj->doc, m, tokens, agree, &n_occ));
+    int32_t c = occurrences(s, len, md->hist + md->n - m->ngram_len, m->ngram_len, occ);
+    int32_t chain = c < LSNG_MAX_CHAIN ? c : LSNG_MAX_CHAIN;
+    if (n_occ != chain) FAIL("support: %d occurrences, reference has %d", n_occ, chain);
+    for (int32_t i = 0; i < m->n_tokens; i++) {
+        int32_t want = 0;
+        for (int32_t j = 0; j < chain; j++) {
+            int32_t e = occ[j], ok = 1;
+            for (int32_t d = 0; d <= i && ok; d++) ok = e + d < len && s[e + d] == tokens[d];
+            want += ok;
+        }
+        if (agree[i] != want) FAIL("support: agree[%d] = %d, reference %d", i, agree[i], want);
+    }
+}
+
 static void compare(const subject *sj, const model *md)
 {
     static int32_t got_tokens[MAX_CANDS * MAX_K];
@@ -156,6 +178,7 @@ static void compare(const subject *sj, const model *md)
     } else {
         CHECK_RC(lsng_candidates(sj->hist, sj->doc, k, n_max, got_tokens, got, &n_got));
     }
+    if (n_max == 1 && n_got == 1) check_support(sj, md, &got[0], got_tokens);
     int32_t n_want = ref_answers(md, k, n_max, want);
     if (n_got != n_want) FAIL("k=%d n_max=%d: %d answers, reference has %d", k, n_max, n_got, n_want);
     for (int32_t i = 0; i < n_got; i++) {

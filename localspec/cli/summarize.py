@@ -8,13 +8,14 @@ from pathlib import Path
 
 import click
 
-from .cli_common import build_sampling, model_options, open_engine, sampling_options
-from .errors import LocalspecError
-from .summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summarizer, Summary,
+from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options
+from ..errors import LocalspecError
+from ..text import check_utf8
+from ..summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summarizer, Summary,
                         check_collisions, discover, parse_globs, run_batch)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.command(context_settings=COMMAND)
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, help="Write one file per input here, mirroring the input tree "
@@ -51,6 +52,7 @@ def summarize(inputs, output_dir, fmt, globs, instruction, force, **kw):
       localspec summarize notes/ --format jsonl > summaries.jsonl
     """
     out_dir = output_dir
+    instruction = check_utf8(instruction, "--instruction")
     if inputs.count("-") > 1:
         raise click.BadParameter("stdin (-) can be read only once.", param_hint="INPUTS")
     sources = discover(inputs, parse_globs(globs), exclude=out_dir)
@@ -96,6 +98,17 @@ def _counts(summary: Summary) -> str:
             f"accepted {100 * st.acceptance_rate:.0f}%")
 
 
+CUT = ("length", "context")
+
+
+def _note_if_cut(src, summary: Summary) -> None:
+    """A summary that ran out of tokens may end mid-sentence: say so rather than save it quietly."""
+    if summary.stats.stop_reason in CUT:
+        limit = "-n/--max-tokens" if summary.stats.stop_reason == "length" else "the context"
+        click.echo(f"note: the summary of {src.display} was cut by {limit} and may end "
+                   f"mid-sentence; raise -n (or --ctx) for a complete one.", err=True)
+
+
 class _Lines(Progress):
     """stderr is not a terminal (a log, a test): one line per document."""
 
@@ -110,6 +123,7 @@ class _Lines(Progress):
 
     def done(self, index, src, summary) -> None:
         click.echo(f"[{index}/{self.n}] {src.display}: {_counts(summary)}", err=True)
+        _note_if_cut(src, summary)
 
     def skipped(self, index, src) -> None:
         click.echo(f"[{index}/{self.n}] {src.display}: output exists, skipped", err=True)
@@ -147,6 +161,9 @@ class _Bar(_Lines):
 
     def done(self, index, src, summary) -> None:
         self._tokens += summary.stats.generated_tokens
+        if summary.stats.stop_reason in CUT:
+            click.echo("\r\x1b[K", err=True, nl=False)        # clear the bar's line first
+            _note_if_cut(src, summary)
         self._show(f"{src.display}, {self._tokens} tokens out", step=1)
 
     def skipped(self, index, src) -> None:

@@ -7,8 +7,10 @@ from typing import Callable, Optional
 
 import click
 
-from .chat import ChatConfig, ChatLoop, ChatSession
-from .cli_common import build_sampling, model_options, open_engine, sampling_options
+from ..chat import ChatConfig, ChatLoop, ChatSession
+from ..errors import LocalspecError
+from ..text import check_utf8, decode_utf8
+from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options
 
 MAX_TOKENS = 512
 
@@ -32,6 +34,9 @@ def _terminal_reader(prompt: str) -> Callable[[], Optional[str]]:
         except EOFError:
             sys.stderr.write("\n")
             return None
+        except UnicodeDecodeError as e:     # the terminal sent bytes that are not UTF-8
+            raise LocalspecError(f"that line is not valid UTF-8 (byte 0x{e.object[e.start]:02x} "
+                                 f"at offset {e.start}); set the terminal to UTF-8.") from None
 
     return read
 
@@ -40,20 +45,27 @@ def _pipe_reader() -> Callable[[], Optional[str]]:
     """One message per line, no decorations."""
 
     def read() -> Optional[str]:
-        line = sys.stdin.readline()
-        return line if line else None
+        line = sys.stdin.buffer.readline()
+        return decode_utf8(line, "that line") if line else None
 
     return read
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.command(context_settings=COMMAND)
 @click.option("--system", default=None, help="System prompt (change it in the chat with /system).")
 @click.option("--stats", "show_stats", is_flag=True,
               help="Print acceptance and speed after every reply, and session totals at the end "
                    "(stderr). /stats shows them at any time.")
+@click.option("--save", "save_as", metavar="NAME", default=None,
+              help="At the end, save the chat and its KV state as NAME (letters, digits, "
+                   "'.', '_', '-'); /save does it at any time.")
+@click.option("--resume", metavar="NAME", default=None,
+              help="Continue the chat saved as NAME: its turns come back, and with the same "
+                   "model and settings its KV state too, so nothing is re-read. Saves back to "
+                   "NAME at the end unless --save names another.")
 @model_options()
 @sampling_options
-def chat(system, show_stats, **kw):
+def chat(system, show_stats, save_as, resume, **kw):
     """Chat with MODEL in the terminal, replies streamed as they are generated.
 
     Speculative decoding is on (n-gram prompt lookup by default): the text is what plain decoding
@@ -62,7 +74,7 @@ def chat(system, show_stats, **kw):
     on stderr.
 
     \b
-    In the chat: /stats, /system TEXT, /reset, /exit, /help.
+    In the chat: /stats, /system TEXT, /reset, /save [NAME], /exit, /help.
     Ctrl-C stops a reply and keeps what was written in the history; Ctrl-C at the
     prompt discards the line; Ctrl-D or /exit quits.
 
@@ -75,20 +87,36 @@ def chat(system, show_stats, **kw):
       localspec chat --system "You are a terse assistant."
       localspec chat -m smollm2-135m -t 0.7 --stats
       printf 'Name three primes.\\nNow three more.\\n' | localspec chat > replies.txt
+      localspec chat --save work        # later: localspec chat --resume work
     """
     interactive = sys.stdin.isatty()
+    system = None if system is None else check_utf8(system, "--system")
+    save_as = save_as or resume
+    kw["cache_disk"] = bool(save_as)
     with open_engine(kw) as engine:
         engine.prepare()    # measure the cost curve now, not inside (and interruptible in) a reply
         config = ChatConfig(max_tokens=kw["max_tokens"], stop=tuple(kw["stop"]))
         session = ChatSession(engine, build_sampling(kw), config, system=system,
                               notify=lambda msg: click.echo(msg, err=True))
+        if resume:
+            click.echo(session.resume(resume), err=True)
+            if system is not None:
+                session.set_system(system)
         if interactive:
             click.echo(f"localspec chat: {engine.model.path.name}, context {engine.ctx.n_ctx} "
                        f"tokens, proposer {kw['proposer']}. /help for commands, Ctrl-D to quit.",
                        err=True)
         read = _terminal_reader("> ") if interactive else _pipe_reader()
-        ChatLoop(session, read, sys.stdout, sys.stderr, interactive=interactive,
-                 show_stats=show_stats).run()
+        loop = ChatLoop(session, read, sys.stdout, sys.stderr, interactive=interactive,
+                        show_stats=show_stats)
+        loop.save_as = save_as
+        try:
+            loop.run()
+        finally:
+            if loop.save_as:
+                session.save(loop.save_as)
+                click.echo(f"saved the chat as {loop.save_as!r} (continue it with `localspec "
+                           f"chat --resume {loop.save_as}`).", err=True)
 
 
 # sampling_options defaults -n to 256 (one-shot generate); a chat reply may run longer.

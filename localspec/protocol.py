@@ -1,29 +1,25 @@
-"""`localspec serve --stdio`: the editor protocol, JSON-RPC 2.0 with one message per line on stdio.
+"""The editor protocol's logic: JSON-RPC 2.0 messages, generate params, the request queue and the
+one worker that runs the engine. The transport (lines on stdio) is stdio.py, the command cli/serve.py.
 
-A reader thread parses stdin and answers `initialize`, `cancel` and `shutdown` at once; `generate`
-requests queue for one worker (the main thread), since the engine runs one request at a time.
-docs/protocol.md is the specification; examples/editor_client.py is a client to copy from.
+A reader thread parses incoming lines and answers `initialize`, `cancel` and `shutdown` at once;
+`generate` requests queue for one worker (the caller of Server.serve), since the engine runs one
+request at a time. docs/protocol.md is the specification; examples/editor_client.py a client.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import queue
 import sys
 import threading
-import traceback
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Iterator, Optional, Union
-
-import click
+from typing import Iterable, Optional, Union
 
 from . import __version__
-from .cli_common import model_options, open_engine
 from .engine import Engine, Prompt
 from .errors import LocalspecError
-from .llama import set_log_level
+from .files import internal_error_line
 from .sampling import SamplingParams
 from .stats import GenerationStats
 
@@ -48,6 +44,18 @@ class RpcError(Exception):
     def __init__(self, code: int, message: str, id: Optional[RequestId] = None):
         super().__init__(message)
         self.code, self.message, self.id = code, message, id
+
+
+class DuplicateId(RpcError):
+    """A generate whose id an unfinished generate holds: the error response carries id null, so
+    a client routing responses by id cannot mistake it for the running request's answer."""
+
+
+def _bug(e: Exception) -> str:
+    """One stderr line for a bug (the traceback goes to a file) and the message for the client."""
+    line = internal_error_line(e)
+    print(f"localspec: {line}", file=sys.stderr)
+    return line
 
 
 @dataclass
@@ -189,56 +197,13 @@ def parse_envelope(line: bytes):
     return rid, msg["method"], msg.get("params", {})
 
 
-# -- transport -----------------------------------------------------------------------------------
-class Writer:
-    """Protocol messages to one file descriptor: whole lines, under a lock, written at once."""
-
-    def __init__(self, fd: int):
-        self._fd, self._lock = fd, threading.Lock()
-        self.broken = False
-
-    def send(self, msg: dict) -> bool:
-        """False when the client has gone (closed its end of the pipe)."""
-        try:
-            data = json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-        except UnicodeEncodeError:
-            data = json.dumps(msg, separators=(",", ":")).encode("ascii")
-        view = memoryview(data + b"\n")
-        with self._lock:
-            try:
-                while view and not self.broken:
-                    view = view[os.write(self._fd, view):]
-            except OSError:
-                self.broken = True
-            return not self.broken
-
-
-def read_lines(fd: int) -> Iterator[bytes]:
-    """Lines of `fd` without '\\n', until EOF. os.read, not sys.stdin: a daemon thread blocked
-    here holds no Python-level lock that interpreter shutdown would wait for."""
-    buf = bytearray()
-    while True:
-        try:
-            data = os.read(fd, 1 << 16)
-        except OSError:
-            data = b""
-        if not data:
-            if buf:
-                yield bytes(buf)
-            return
-        buf += data
-        if b"\n" in data:
-            *lines, rest = bytes(buf).split(b"\n")
-            buf = bytearray(rest)
-            yield from lines
-
-
 # -- the server ----------------------------------------------------------------------------------
 class Server:
     """Owns the request queue and the table of unfinished generates. Only the worker (the thread
-    in serve()) uses the engine; the reader thread touches the queue, the table and the Writer."""
+    in serve()) uses the engine; the reader thread touches the queue, the table and the writer
+    (anything with send(message) -> bool, False once the client is gone: stdio.Writer)."""
 
-    def __init__(self, engine: Engine, writer: Writer):
+    def __init__(self, engine: Engine, writer):
         self.engine, self.writer = engine, writer
         self._queue: "queue.Queue[Union[Job, Stop]]" = queue.Queue()
         self._jobs: dict = {}               # request id -> Job, queued or running
@@ -285,10 +250,9 @@ class Server:
             result = handler(rid, params)
         except Exception as e:
             if not isinstance(e, RpcError):     # a bug: say so on stderr, keep serving
-                traceback.print_exc(file=sys.stderr)
-                e = RpcError(INTERNAL_ERROR, f"internal error: {type(e).__name__}: {e}")
+                e = RpcError(INTERNAL_ERROR, _bug(e))
             if rid is not NOTE:
-                self._error(rid, e.code, e.message)
+                self._error(None if isinstance(e, DuplicateId) else rid, e.code, e.message)
             return True
         if result is not DEFERRED and rid is not NOTE:
             self._send({"jsonrpc": "2.0", "id": rid, "result": result})
@@ -302,9 +266,9 @@ class Server:
         with self._lock:
             if self._closing:
                 raise RpcError(GENERATION_ERROR, "the server is shutting down")
-            if rid in self._jobs:
-                raise RpcError(INVALID_REQUEST, f"request id {json.dumps(rid)} is already used "
-                                                "by an unfinished generate")
+            if rid in self._jobs:      # answered with id null: that id is the running one's
+                raise DuplicateId(INVALID_REQUEST, f"request id {json.dumps(rid)} is already "
+                                                   "used by an unfinished generate")
             self._jobs[rid] = job
         self._queue.put(job)
         return DEFERRED
@@ -351,9 +315,7 @@ class Server:
         except LocalspecError as e:
             return self._finish(job, error=(GENERATION_ERROR, str(e)))
         except Exception as e:              # a bug: say so on stderr, keep serving
-            traceback.print_exc(file=sys.stderr)
-            return self._finish(job, error=(INTERNAL_ERROR, f"internal error: "
-                                                            f"{type(e).__name__}: {e}"))
+            return self._finish(job, error=(INTERNAL_ERROR, _bug(e)))
         self._finish(job, result(gen.text, gen.stats))
 
     def _finish(self, job: Job, result=None, error=None) -> None:
@@ -398,38 +360,3 @@ def describe(engine: Engine) -> dict:
                      "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
                      "repeat_penalty": d.repeat_penalty, "speculate": True, "stream": True},
     }
-
-
-def take_stdout() -> int:
-    """Reserve the real stdout for protocol messages and return its fd. From here on fd 1 and
-    sys.stdout lead to stderr, so a stray print() or a C library's printf cannot corrupt it."""
-    sys.stdout.flush()
-    fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return fd
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--stdio", is_flag=True,
-              help="Talk on stdin/stdout. Required: the only transport for now.")
-@model_options()
-def serve(stdio, **kw):
-    """Serve the editor protocol: JSON-RPC 2.0, one message per line on stdin/stdout.
-
-    Methods: initialize, generate (streams "generate/progress" notifications, then responds with
-    the text and statistics), cancel, shutdown. stdout carries protocol messages only; logs and
-    errors go to stderr. EOF on stdin cancels any work and exits 0. Spec: docs/protocol.md.
-
-    \b
-    Examples:
-      localspec serve --stdio -m qwen2.5-coder-1.5b
-      echo '{"jsonrpc":"2.0","id":1,"method":"initialize"}' | localspec serve --stdio
-    """
-    if not stdio:
-        raise click.UsageError("pass --stdio: stdin/stdout is the only transport for now.")
-    set_log_level()
-    protocol_fd = take_stdout()
-    with open_engine(kw) as engine:
-        engine.prepare()   # calibrate now, not inside the first (uncancellable) request
-        Server(engine, Writer(protocol_fd)).serve(read_lines(sys.stdin.fileno()))

@@ -1,4 +1,4 @@
-"""`localspec models`: list the catalog and pull models into the cache (logic lives in catalog.py).
+"""`localspec models`: list the catalog, pull models into the cache, verify cached files.
 
 stdout carries data only (the table, the pulled path); progress and errors go to stderr. A
 LocalspecError is printed as `error: <message>` on stderr with exit status 1, the same format the
@@ -7,10 +7,13 @@ main CLI uses, so this group behaves the same whether it runs alone (tests) or i
 
 from __future__ import annotations
 
+from typing import Optional
+
 import click
 
-from localspec import catalog
-from localspec.errors import LocalspecError
+from .. import catalog
+from ..errors import LocalspecError
+from .options import COMMAND
 
 
 def _fail(error: LocalspecError) -> None:
@@ -18,7 +21,7 @@ def _fail(error: LocalspecError) -> None:
     click.get_current_context().exit(1)
 
 
-@click.group("models", context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("models", context_settings=COMMAND)
 def models() -> None:
     """List and download the catalog's GGUF models.
 
@@ -67,3 +70,42 @@ def pull_model(name: str, force: bool) -> None:
     except LocalspecError as e:
         _fail(e)
     click.echo(str(path))
+
+
+@models.command("verify")
+@click.argument("name", required=False)
+def verify_models(name: Optional[str]) -> None:
+    """Re-hash cached models against their pinned sha256: NAME, or every cached one.
+
+    A file damaged after it was pulled (a disk error, an edit) keeps its size, so loading it
+    only checks so much; this reads every byte. Prints one line per model; exits 1 if any is
+    damaged, with the command that repairs it.
+
+    \b
+    Examples:
+      localspec models verify
+      localspec models verify default
+    """
+    try:
+        entries = [catalog.get_entry(name)] if name else \
+            [e for e in catalog.known_models() if catalog.model_path(e).is_file()]
+        if name and not catalog.model_path(entries[0]).is_file():
+            raise LocalspecError(f"{entries[0].name} is not downloaded; nothing to verify "
+                                 f"(`localspec models pull {entries[0].name}` fetches it).")
+    except LocalspecError as e:
+        _fail(e)
+    if not entries:
+        click.echo("no catalog models are downloaded yet.", err=True)
+    bad = 0
+    for entry in entries:
+        path = catalog.model_path(entry)
+        try:
+            catalog.verify_file(path, entry.sha256, entry.size, progress=True,
+                                label=f"verifying {entry.name}")
+            click.echo(f"{entry.name}: ok ({path})")
+        except catalog.ChecksumError as e:
+            bad += 1
+            click.echo(f"{entry.name}: DAMAGED: {e} Repair it with "
+                       f"`localspec models pull {entry.name} --force`.")
+    if bad:
+        click.get_current_context().exit(1)

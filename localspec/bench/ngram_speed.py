@@ -1,8 +1,8 @@
 """Benchmark: per-proposal latency of the C n-gram matcher against a numpy re-implementation of
 llama-cpp-python's LlamaPromptLookupDecoding (full rescan per step), on the same token streams.
 
-    python -m localspec.bench_ngram                 # lengths 1k 8k 32k 128k
-    python -m localspec.bench_ngram --steps 50 --lengths 1000,1000000
+    python -m localspec.bench.ngram_speed                 # lengths 1k 8k 32k 128k
+    python -m localspec.bench.ngram_speed --steps 50 --lengths 1000,1000000
 
 A benchmark command, not a test: it prints the numbers (table on stdout) and asserts nothing.
 """
@@ -86,7 +86,7 @@ def time_c(stream: np.ndarray, n: int, steps: int, tie: str, ngram_max: int,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m localspec.bench_ngram",
+    parser = argparse.ArgumentParser(prog="python -m localspec.bench.ngram_speed",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="1000,8000,32000,128000",
                         help="history lengths, comma-separated (default: %(default)s)")

@@ -1,0 +1,190 @@
+"""What a benchmark reports: a row per (case, mode) compared with plain decoding and the peer,
+per-kind summaries (geometric means, worst case, identity), Markdown tables and the bar chart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from ..errors import LocalspecError
+from .timing import Outcome
+from .workloads import KINDS, Case
+
+
+@dataclass
+class Row:
+    case: str
+    kind: str
+    mode: str
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_ms: float
+    decode_tps: float
+    ratio: Optional[float]            # decode tok/s over plain's on the same case
+    vs_peer: Optional[float]          # decode tok/s over the peer's on the same case
+    mean_accepted_len: Optional[float]
+    acceptance_rate: Optional[float]
+    identical: Optional[bool]         # None: plain itself, or not comparable (sampled peer)
+    diverge_at: Optional[int] = None  # first output token index that differs from plain
+    top2_gap: Optional[float] = None  # plain path's top-2 logit gap there
+    text_identical: Optional[bool] = None   # same text as plain (the peer's stream can differ)
+    stop_reason: str = ""
+    load_avg: Optional[float] = None  # 1-minute load average after the case: other work running
+    text: str = ""
+    stats: dict = field(default_factory=dict)
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """Index of the first differing element, len of the shorter if one is a prefix, None if equal.
+
+    Example: [1, 2, 3], [1, 5] -> 1; [1, 2], [1, 2, 3] -> 2; [1], [1] -> None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def make_row(case: Case, mode, prompt_tokens: int, out: Outcome,
+             plain: Optional[Outcome], peer: Optional[Outcome], greedy: bool) -> Row:
+    st = out.stats
+    row = Row(case.id, case.kind, mode.name, prompt_tokens, out.generated_tokens,
+              round(out.ttft_ms, 1), round(out.decode_tps, 2), None, None,
+              round(st.mean_accepted_len, 3) if st and mode.name != "plain" else None,
+              round(st.acceptance_rate, 4) if st and mode.name != "plain" else None,
+              None, stop_reason=out.stop_reason, text=out.text,
+              stats=st.to_dict() if st else {})
+    if plain is not None and plain is not out:
+        row.ratio = _ratio(out.decode_tps, plain.decode_tps)
+        row.text_identical = out.text == plain.text
+        if not mode.is_peer:          # greedy, or seeded: same seed, same tokens
+            row.identical = out.tokens == plain.tokens
+        elif greedy and out.tokens is not None:
+            # the peer's last token is not observable: its tokens but the last, and its count
+            seen = len(out.tokens)
+            row.identical = out.generated_tokens == plain.generated_tokens and \
+                out.tokens == plain.tokens[:seen]
+    if peer is not None and not mode.is_peer:
+        row.vs_peer = _ratio(out.decode_tps, peer.decode_tps)
+    return row
+
+
+def _ratio(a: float, b: float) -> Optional[float]:
+    return round(a / b, 3) if a > 0 and b > 0 else None
+
+
+def geomean(values: Iterable[float]) -> Optional[float]:
+    vals = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def summarize(rows: Sequence[Row]) -> list:
+    """Per kind (and "all") and mode: geometric-mean ratio to plain, the worst case, geometric-
+    mean ratio to the peer, and how many outputs were identical to plain."""
+    out = []
+    kinds = [k for k in KINDS if any(r.kind == k for r in rows)]
+    kinds += sorted({r.kind for r in rows} - set(KINDS))
+    modes = list(dict.fromkeys(r.mode for r in rows))
+    for kind in kinds + ["all"]:
+        for mode in modes:
+            sel = [r for r in rows if r.mode == mode and kind in (r.kind, "all")]
+            if not sel:
+                continue
+            rated = [r for r in sel if r.ratio is not None]
+            worst = min(rated, key=lambda r: r.ratio) if rated else None
+            checked = [r for r in sel if r.identical is not None]
+            g, gp = geomean(r.ratio for r in sel), geomean(r.vs_peer for r in sel)
+            out.append({
+                "kind": kind, "mode": mode, "cases": len(sel),
+                "geomean_ratio": round(g, 3) if g else None,
+                "worst_ratio": worst.ratio if worst else None,
+                "worst_case": worst.case if worst else None,
+                "geomean_vs_peer": round(gp, 3) if gp else None,
+                "identical": sum(bool(r.identical) for r in checked) if checked else None,
+                "compared": len(checked),
+                "decode_tps": round(geomean(r.decode_tps for r in sel) or 0.0, 2),
+            })
+    return out
+
+
+
+
+# -- tables and plots --------------------------------------------------------------------------
+def _fmt(v, spec: str = ".2f", none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def _identity(r) -> str:
+    if r.identical is None:
+        return "-"
+    if r.identical:
+        return "yes" if r.text_identical is not False else "yes (text differs)"
+    gap = "" if r.top2_gap is None else f", gap {r.top2_gap:.3f}"
+    return f"NO @{r.diverge_at}{gap}"
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h)
+              for i, h in enumerate(header)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                     + [line(row) for row in body])
+
+
+def format_rows(rows) -> str:
+    """Per case and mode, as a Markdown table."""
+    header = ["case", "kind", "mode", "prompt", "gen", "TTFT ms", "tok/s", "x plain", "x peer",
+              "acc len", "acc rate", "identical"]
+    body = [[r.case, r.kind, r.mode, str(r.prompt_tokens), str(r.generated_tokens),
+             f"{r.ttft_ms:.0f}", f"{r.decode_tps:.2f}", _fmt(r.ratio), _fmt(r.vs_peer),
+             _fmt(r.mean_accepted_len), _fmt(r.acceptance_rate, ".0%"), _identity(r)]
+            for r in rows]
+    return _table(header, body)
+
+
+def format_summary(summary) -> str:
+    """Per kind and mode: geometric means, worst case, identity count, as a Markdown table."""
+    header = ["kind", "mode", "cases", "tok/s (geomean)", "x plain (geomean)", "worst x plain",
+              "x peer (geomean)", "identical to plain"]
+    body = []
+    for s in summary:
+        worst = "-" if s["worst_ratio"] is None else f"{s['worst_ratio']:.2f} ({s['worst_case']})"
+        ident = "-" if s["identical"] is None else f"{s['identical']}/{s['compared']}"
+        body.append([s["kind"], s["mode"], str(s["cases"]), f"{s['decode_tps']:.2f}",
+                     _fmt(s["geomean_ratio"]), worst, _fmt(s["geomean_vs_peer"]), ident])
+    return _table(header, body)
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise LocalspecError("--plot needs matplotlib: pip install 'localspec[plot]' "
+                             "(or drop --plot).") from None
+
+
+def plot_ratios(rows, path: Path) -> None:
+    """Grouped bars: one group per case (ordered by kind), one bar per non-plain mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r.case for r in rows))
+    modes = [m for m in dict.fromkeys(r.mode for r in rows) if m != "plain"]
+    ratio = {(r.case, r.mode): r.ratio or 0.0 for r in rows}
+    width = 0.8 / max(1, len(modes))
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(cases) + 2), 4.5))
+    for j, mode in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(cases))]
+        ax.bar(xs, [ratio.get((c, mode), 0.0) for c in cases], width, label=mode)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(cases, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("decode tokens/s / plain")
+    ax.set_title("localspec bench: speed relative to plain decoding")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,285 @@
+"""The benchmark run: decoding modes, one timed request per (case, mode) interleaved case by case,
+and the setup record. Measures and asserts nothing; report.py turns its rows into tables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from .. import __version__
+from ..calibrate import load_or_measure
+from ..config import EngineConfig
+from ..engine import Engine
+from ..errors import LocalspecError
+from ..factory import load_model
+from ..llama import default_threads, system_info
+from ..policy import PolicyConfig
+from ..sampling import SamplingParams, top2_gap
+from .peer import PEER_K, Peer
+from .report import Row, first_difference, make_row, summarize
+from .timing import Outcome, Ticker
+from .workloads import Case
+
+WARMUP_PROMPT = "Write one sentence about the sea."
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """plain | ngram, draft, hybrid (adaptive k) | ngram-kN, draft-kN, hybrid-kN (always N
+    drafts) | peer | peer-kN (N predicted)."""
+
+    name: str
+    fixed_k: Optional[int] = None
+
+    @property
+    def is_peer(self) -> bool:
+        return self.name.startswith("peer")
+
+    @property
+    def proposer(self) -> str:
+        return "none" if self.name == "plain" else self.name.partition("-k")[0]
+
+
+def parse_modes(text: str) -> list:
+    """"plain,ngram,ngram-k3,peer" -> Modes; plain first whenever it is listed (it is the
+    reference for ratios and identity)."""
+    bases = ("plain", "ngram", "draft", "hybrid", "peer")
+    modes = []
+    for name in (s.strip() for s in text.split(",") if s.strip()):
+        base, _, k = name.partition("-k")
+        if base not in bases or (k and not k.isdigit()) or \
+                (k and base == "plain"):
+            raise LocalspecError(f"unknown mode {name!r}; use plain, ngram, draft, hybrid, peer, "
+                                 "or one of those but plain with -kN (e.g. ngram-k3).")
+        if name not in [m.name for m in modes]:
+            modes.append(Mode(name, int(k) if k else None))
+    modes.sort(key=lambda m: m.name != "plain")
+    if not modes:
+        raise LocalspecError("no modes given; e.g. --modes plain,ngram,peer.")
+    return modes
+
+
+
+
+def run_engine(engine: Engine, case: Case, sampling: SamplingParams, max_tokens: int,
+               live=None) -> Outcome:
+    # Cold: forget the previous request's KV rows so the whole prompt is prefilled (the engine
+    # would otherwise reuse the shared chat-template prefix), as the peer does after reset().
+    engine.reset()
+    ticker = Ticker(live)
+    gen = engine.generate(case.messages(), sampling, max_tokens=max_tokens)
+    t_iter = time.perf_counter()      # the generation loop (and its prefill clock) starts here
+    for _ in gen:
+        ticker.tick(len(gen.tokens))
+    end = time.perf_counter()
+    st = gen.stats
+    # First token = end of prefill, not first piece: text is held back while it could be an
+    # incomplete UTF-8 sequence or the start of a stop string, which is not decoding time.
+    first = min(end, t_iter + st.prefill_ms / 1000)
+    if st.prefill_tokens != st.prompt_tokens:
+        raise RuntimeError(f"{case.id}: the request reused {st.prompt_tokens - st.prefill_tokens} "
+                           "KV rows; timings would not be cold.")
+    return Outcome(gen.text, list(gen.tokens), len(gen.tokens), 1000 * (first - ticker.t0),
+                   1000 * (end - ticker.t0), st.stop_reason, st)
+
+
+
+
+def plain_gap(engine: Engine, prompt_tokens: list, prefix: list) -> float:
+    """Top-2 logit gap of the target after prompt + prefix (one batched prefill, so its logits
+    may differ slightly from the one-token decodes plain used; cheap, and close enough to spot
+    near-ties)."""
+    return top2_gap(engine.next_logits(prompt_tokens + prefix), SamplingParams())
+
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    target: str = "default"
+    draft: Optional[str] = None       # draft model for the draft and hybrid modes
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: Optional[int] = None  # cap on each case's own budget
+    n_ctx: int = 4096
+    n_threads: Optional[int] = None
+    n_gpu_layers: int = 0
+    exact: bool = False               # batch-invariant CPU kernels for every engine mode
+    rpc: tuple = ()                   # `localspec rpc-server`s holding the offloaded layers
+    warmup: bool = True
+
+
+class Bench:
+    """Holds the model, one Engine per engine mode (sharing the model) and the peer; `run()`
+    appends a Row per (case, mode) to `self.rows` as it goes, so an interrupt keeps them."""
+
+    def __init__(self, modes: Sequence[Mode], settings: BenchSettings = BenchSettings(),
+                 say: Say = lambda s: None, live: Optional[Say] = None):
+        self.modes, self.settings, self.say, self.live = list(modes), settings, say, live
+        self.rows: list = []
+        # Exact mode is chosen before any decode in this process; the peer shares it.
+        # RPC servers are attached process-wide: the peer's offloaded layers go there too.
+        self.model = load_model(settings.target, settings.n_gpu_layers, settings.exact,
+                                settings.rpc)
+        self.model_path = self.model.path
+        self.engines: dict = {}
+        self.peers: dict = {}
+        try:
+            for m in self.modes:
+                if m.is_peer:
+                    self.peers[m.name] = None     # loaded in run(): keeps a failure readable
+                else:
+                    cfg = EngineConfig(proposer=m.proposer, draft=settings.draft,
+                                       n_ctx=settings.n_ctx, n_threads=settings.n_threads,
+                                       n_gpu_layers=settings.n_gpu_layers, exact=settings.exact,
+                                       cache_mb=0,    # every request starts cold
+                                       policy=PolicyConfig(fixed_k=m.fixed_k))
+                    self.engines[m.name] = Engine(self.model, cfg, progress=say)
+        except Exception:
+            self.close()
+            raise
+
+    @property
+    def n_threads(self) -> int:
+        return next(iter(self.engines.values())).ctx.n_threads if self.engines else \
+            (self.settings.n_threads or 0)
+
+    def _load_peers(self) -> None:
+        for m in self.modes:
+            if m.is_peer and self.peers[m.name] is None:
+                self.say(f"loading the peer ({m.name}: llama-cpp-python Llama + "
+                         f"LlamaPromptLookupDecoding, k={m.fixed_k or PEER_K})...")
+                self.peers[m.name] = Peer(self.model_path, self.settings.n_ctx,
+                                          self.settings.n_threads or default_threads(),
+                                          self.settings.n_gpu_layers, m.fixed_k or PEER_K)
+
+    def _run_mode(self, mode: Mode, case: Case, max_tokens: int, tag: str) -> Outcome:
+        live = None
+        if self.live is not None:
+            live = lambda n, tps: self.live(f"{tag} {mode.name:<9} {n:>4} tokens {tps:6.1f} tok/s")
+        if mode.is_peer:
+            prompt = self.model.apply_chat_template(case.messages(), add_assistant=True)
+            return self.peers[mode.name].run(prompt, self.settings.sampling, max_tokens, live)
+        return run_engine(self.engines[mode.name], case, self.settings.sampling, max_tokens, live)
+
+    def warm_up(self) -> None:
+        """One short request per mode: pages the weights in, builds compute graphs and measures
+        (or loads) the verify cost curve the adaptive policy needs."""
+        warm = Case("warm-up", "chat", WARMUP_PROMPT, None, 8)
+        for mode in self.modes:
+            self.say(f"warm-up: {mode.name}")
+            self._run_mode(mode, warm, 8, "[warm-up]")
+
+    def run(self, cases: Sequence[Case], on_case: Optional[Callable[[list], None]] = None) -> list:
+        """Warm up, then every case in every mode; `on_case(rows)` after each case."""
+        self._load_peers()
+        if self.settings.warmup:
+            self.warm_up()
+        greedy = self.settings.sampling.greedy
+        peer_name = next((m.name for m in self.modes if m.is_peer), None)
+        any_engine = next(iter(self.engines.values()), None)
+        for i, case in enumerate(cases, 1):
+            max_tokens = min(case.max_tokens, self.settings.max_tokens or case.max_tokens)
+            n_prompt = len(any_engine.tokenize_prompt(case.messages())) if any_engine else 0
+            tag = f"[{i}/{len(cases)}] {case.id}"
+            self.say(f"{tag} ({case.kind}, {n_prompt} prompt tokens, max {max_tokens})")
+            outs = {}
+            for mode in self.modes:       # interleaved: every mode of this case, then the next
+                out = outs[mode.name] = self._run_mode(mode, case, max_tokens, tag)
+                self.say(f"    {mode.name:<9} {out.generated_tokens:>4} tokens  ttft "
+                         f"{out.ttft_ms:7.0f} ms  {out.decode_tps:6.2f} tok/s")
+            plain, peer = outs.get("plain"), outs.get(peer_name)
+            load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+            for mode in self.modes:
+                row = make_row(case, mode, n_prompt, outs[mode.name], plain, peer, greedy)
+                row.load_avg = load
+                if row.identical is False and greedy and "plain" in self.engines:
+                    self._explain(row, case, outs[mode.name], plain)
+                self.rows.append(row)
+            self.say("    => " + ", ".join(self._verdict(r) for r in self.rows[-len(self.modes):]
+                                          if r.ratio is not None))
+            if on_case is not None:
+                on_case(self.rows)
+        return self.rows
+
+    def _explain(self, row: Row, case: Case, out: Outcome, plain: Outcome) -> None:
+        """Where a greedy output left plain's, and how close plain's top-2 logits were there."""
+        engine = self.engines["plain"]
+        row.diverge_at = first_difference(out.tokens, plain.tokens)
+        if row.diverge_at is not None and row.diverge_at < len(plain.tokens):
+            row.top2_gap = round(plain_gap(engine, engine.tokenize_prompt(case.messages()),
+                                          plain.tokens[:row.diverge_at]), 4)
+
+    @staticmethod
+    def _verdict(r: Row) -> str:
+        same = {None: "", True: " identical"}.get(r.identical, f" DIFFERS at token {r.diverge_at}")
+        return f"{r.mode} {r.ratio:.2f}x{same}"
+
+    def cost_curve(self) -> Optional[list]:
+        """The verify cost curve r(k) the n-gram engines used (cached on disk), for the record."""
+        for m in self.modes:
+            if m.proposer != "none" and not m.is_peer:
+                e = self.engines[m.name]
+                return list(load_or_measure(e.ctx, self.settings.n_gpu_layers,
+                                            e.config.policy.k_max).ratios)
+        return None
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            if peer is not None:
+                peer.close()
+        for engine in self.engines.values():
+            engine.close()
+        self.model.close()
+
+    def __enter__(self) -> "Bench":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- setup record --------------------------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_json(path: Path, meta: dict, rows) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "summary": summarize(rows),
+                               "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def setup_record(b: Bench, settings: BenchSettings, started) -> dict:
+    """What a reader of the numbers needs to know about the run: command, machine, model."""
+    try:
+        curve = b.cost_curve()
+    except Exception:   # the record must not lose the results
+        curve = None
+    return {
+        "command": " ".join(["localspec", "bench", *sys.argv[1 + (sys.argv[1:2] == ["bench"]):]]),
+        "started_utc": started.isoformat(timespec="seconds"),
+        "localspec": __version__,
+        "model": str(b.model_path), "model_desc": b.model.describe(), "draft": settings.draft,
+        "exact": settings.exact,
+        "cpu": cpu_model(), "cores": os.cpu_count(), "threads": b.n_threads,
+        "platform": platform.platform(), "python": platform.python_version(),
+        "llama_cpp_system_info": system_info(),
+        "sampling": asdict(settings.sampling), "max_tokens_cap": settings.max_tokens,
+        "n_ctx": settings.n_ctx, "n_gpu_layers": settings.n_gpu_layers,
+        "verify_cost_curve": curve,
+    }

@@ -1,0 +1,157 @@
+"""`localspec bench`: options, tables on stdout, `--json` and `--plot`. The run is localspec.bench."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from ..bench import KINDS, Bench, BenchSettings, load_workloads, parse_modes, summarize
+from ..bench.report import format_rows, format_summary, plot_ratios, require_matplotlib
+from ..bench.runner import setup_record, write_json
+from ..sampling import SamplingParams
+from .options import COMMAND, SAMPLING, parse_rpc_option, run_command
+
+
+def _csv(_ctx, _param, value):
+    return [s.strip() for s in value.split(",") if s.strip()] if value else None
+
+
+@click.command(context_settings=COMMAND)
+@click.option("--workloads", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Workloads JSONL file (default: the 20 cases shipped with localspec).")
+@click.option("-m", "--target", default="default", show_default=True, envvar="LOCALSPEC_MODEL",
+              help="Catalog name or .gguf path of the model to benchmark. Env: LOCALSPEC_MODEL.")
+@click.option("--draft", default="default-draft", show_default=True,
+              help="Draft model for the draft and hybrid modes (catalog name or .gguf path).")
+@click.option("--modes", default="plain,ngram,peer", show_default=True,
+              help="Comma-separated: plain, ngram (adaptive k), draft, hybrid (n-gram, then the "
+                   "draft model), peer (llama-cpp-python's LlamaPromptLookupDecoding, k=10); "
+                   "add -kN to any but plain to draft exactly N tokens (ngram-k3, peer-k4).")
+@click.option("--kinds", callback=_csv, default=None,
+              help=f"Only these kinds ({','.join(KINDS)}).")
+@click.option("--cases", callback=_csv, default=None,
+              help="Only these case ids, run in the order given.")
+@click.option("-n", "--max-tokens", type=click.IntRange(1), default=None,
+              help="Cap every case's generation budget (default: each case's own max_tokens).")
+@click.option("-t", "--temperature", type=click.FloatRange(0.0), default=0.0, show_default=True,
+              help="0 = greedy, where every mode must match plain token for token; > 0 samples, "
+                   "and n-gram modes must then match plain under the same --seed.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed for sampled runs (fixed, unlike generate's: a benchmark repeats).")
+@click.option("--top-k", type=click.IntRange(0), default=SAMPLING.top_k, show_default=True)
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=SAMPLING.top_p,
+              show_default=True)
+@click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=SAMPLING.min_p,
+              show_default=True)
+@click.option("--ctx", "n_ctx", type=click.IntRange(64), default=4096, show_default=True,
+              help="Context size of every mode (prompt + output).")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="CPU threads for every mode (default: all cores this process may use).")
+@click.option("--gpu-layers", type=int, default=0, show_default=True,
+              help="Layers to offload to the GPU (CUDA/Metal builds) or the --rpc servers; "
+                   "-1 = all.")
+@click.option("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT]",
+              callback=parse_rpc_option,
+              help="Layers on these `localspec rpc-server`s, for every mode and the peer (all "
+                   "layers unless --gpu-layers says how many).")
+@click.option("--exact", is_flag=True, help="Batch-invariant CPU kernels for our modes (no weight "
+              "repacking): speculative output is then plain output bit for bit, at some speed.")
+@click.option("--no-warmup", is_flag=True, help="Skip the warm-up request per mode.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Also write every row, the summary and the setup as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Also draw a bar chart of ratios to plain (needs matplotlib: "
+                                 "pip install 'localspec[plot]').")
+def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature, seed, top_k,
+          top_p, min_p, n_ctx, threads, gpu_layers, rpc, exact, no_warmup, json_path, plot_path):
+    """Benchmark decoding modes side by side on the same cases and the same model.
+
+    Every case runs in every mode in one process, modes interleaved case by case after a warm-up,
+    each request starting from an empty KV cache. Tables go to stdout (Markdown), progress to
+    stderr. Ratios are decode tokens/s over plain decoding of the same case.
+
+    \b
+    Examples:
+      localspec bench                                   # 20 cases x plain,ngram,peer
+      localspec bench --kinds chat --modes plain,ngram,ngram-k3 -n 64
+      localspec bench --cases sum-with,chat-haiku --json out.json --plot out.png
+    """
+    if plot_path is not None:
+        require_matplotlib()
+    for k in kinds or ():
+        if k not in KINDS:
+            raise click.BadParameter(f"unknown kind {k!r}; use {', '.join(KINDS)}.",
+                                     param_hint="--kinds")
+    mode_list = parse_modes(modes)
+    selected = load_workloads(workloads, kinds, cases)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              seed=seed)
+    uses_draft = any(m.proposer in ("draft", "hybrid") for m in mode_list)
+    settings = BenchSettings(target, draft if uses_draft else None, sampling, max_tokens, n_ctx,
+                             threads, -1 if rpc and gpu_layers == 0 else gpu_layers, exact,
+                             warmup=not no_warmup, rpc=rpc)
+    say = lambda msg: click.echo(_clear_live() + msg, err=True)
+    live = _live_writer() if sys.stderr.isatty() else None
+    started = datetime.datetime.now(datetime.timezone.utc)
+    interrupted = False
+    with Bench(mode_list, settings, say=say, live=live) as b:
+        say(f"benchmarking {b.model_path.name}: {len(selected)} cases x "
+            f"{', '.join(m.name for m in mode_list)}, {b.n_threads} threads")
+        meta = {}
+
+        def save(rows, done=False):   # rewritten after every case: a killed run keeps its rows
+            if not meta:
+                meta.update(setup_record(b, settings, started))
+            meta["finished"] = done
+            if json_path is not None:
+                write_json(json_path, meta, rows)
+
+        try:
+            b.run(selected, on_case=save)
+        except KeyboardInterrupt:
+            interrupted = True
+            say("interrupted: reporting the cases that finished")
+        save(b.rows, done=not interrupted)
+        rows = b.rows
+    click.echo(format_rows(rows))
+    click.echo()
+    click.echo(format_summary(summarize(rows)))
+    if json_path is not None:
+        say(f"wrote {json_path}")
+    if plot_path is not None and rows:
+        plot_ratios(rows, plot_path)
+        say(f"wrote {plot_path}")
+    if interrupted:
+        sys.exit(130)
+
+
+# -- live progress -------------------------------------------------------------------------------
+_live_state = {"shown": False}
+
+
+def _live_writer():
+    def write(msg: str) -> None:
+        sys.stderr.write("\r\033[K" + msg)
+        sys.stderr.flush()
+        _live_state["shown"] = True
+    return write
+
+
+def _clear_live() -> str:
+    if _live_state["shown"]:
+        _live_state["shown"] = False
+        return "\r\033[K"
+    return ""
+
+
+def main(argv: Optional[list] = None) -> None:
+    """Run `bench` alone (python -m localspec.cli.bench ...), with one-line user errors."""
+    run_command(bench, argv, prog_name="localspec bench")
+
+
+if __name__ == "__main__":
+    main()

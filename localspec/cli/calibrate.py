@@ -1,0 +1,25 @@
+"""`localspec calibrate`: re-measure the verify cost curve r(k) on this device."""
+
+from __future__ import annotations
+
+import click
+
+from ..calibrate import load_or_measure
+from .options import COMMAND, model_options, open_engine
+
+
+@click.command(context_settings=COMMAND)
+@model_options()
+def calibrate(**kw):
+    """Re-measure the verify cost curve r(k) of MODEL on this device and cache it.
+
+    r(k) is the time of one batched decode of k+1 tokens over a one-token decode; the adaptive
+    policy drafts k tokens only where E(k)/r(k) beats plain decoding. It is measured once per
+    model/device/threads on first use; run this on a quiet machine if that first run was noisy.
+    """
+    with open_engine({**kw, "proposer": "none"}) as engine:
+        curve = load_or_measure(engine.ctx, engine.config.n_gpu_layers, force=True,
+                                progress=lambda m: click.echo(m, err=True))
+    click.echo(f"one-token decode: {curve.ms_per_step:.1f} ms")
+    click.echo("k:    " + " ".join(f"{k:>5}" for k in range(len(curve.ratios))))
+    click.echo("r(k): " + " ".join(f"{r:5.2f}" for r in curve.ratios))

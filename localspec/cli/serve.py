@@ -1,0 +1,58 @@
+"""`localspec serve`: the editor protocol on stdio (protocol.py, stdio.py) or the OpenAI-compatible
+HTTP API (http.py here, http_server.py and openai_api.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..llama import set_log_level
+from ..protocol import Server
+from ..stdio import Writer, read_lines, take_stdout
+from .http import http_options, run_http
+from .options import COMMAND, model_options, open_engine
+
+
+@click.command(context_settings=COMMAND)
+@click.option("--stdio", is_flag=True,
+              help="Talk the editor protocol on stdin/stdout (docs/protocol.md).")
+@click.option("--no-disk-cache", is_flag=True,
+              help="Keep saved prompt states in RAM only (default: also under the cache "
+                   "directory, so a restarted server finds the documents it had read).")
+@http_options
+@model_options()
+def serve(stdio, no_disk_cache, **kw):
+    """Serve a model: the editor protocol on stdin/stdout (--stdio), or an OpenAI-compatible HTTP
+    API (--http [HOST:]PORT). Pass exactly one of the two.
+
+    --stdio: JSON-RPC 2.0, one message per line. Methods: initialize, generate (streams
+    "generate/progress" notifications, then responds with the text and statistics), cancel,
+    shutdown. stdout carries protocol messages only; logs and errors go to stderr. EOF on stdin
+    cancels any work and exits 0. Spec: docs/protocol.md.
+
+    Prompts that begin like an earlier one reuse its KV rows (the prompt cache, --cache-mb), also
+    across restarts: put what stays the same first (system text, then the document, then the
+    instruction) so repeated requests about a document read only their new tokens.
+
+    --http: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models and
+    /health, for the openai SDK, curl and editor plugins that take an OpenAI base URL. Binds
+    127.0.0.1 unless HOST is given; one generation at a time, the rest queue. Spec: docs/http.md.
+
+    \b
+    Examples:
+      localspec serve --stdio -m qwen2.5-coder-1.5b
+      echo '{"jsonrpc":"2.0","id":1,"method":"initialize"}' | localspec serve --stdio
+      localspec serve --http 8080 -m qwen2.5-coder-1.5b   # base URL http://127.0.0.1:8080/v1
+    """
+    if stdio == bool(kw["http_bind"]):
+        raise click.UsageError("pass exactly one of --stdio and --http [HOST:]PORT.")
+    kw["cache_disk"] = not no_disk_cache
+    set_log_level()
+    if kw["http_bind"]:
+        return run_http(kw)
+    protocol_fd = take_stdout()
+    with open_engine(kw) as engine:
+        engine.prepare()   # calibrate now, not inside the first (uncancellable) request
+        Server(engine, Writer(protocol_fd)).serve(read_lines(sys.stdin.fileno()))
+        engine.keep_live_state()

@@ -1,0 +1,74 @@
+"""Where localspec keeps its files, and the cheap check that a file is a GGUF model at all.
+
+Standard library only: the bottom layer, used by the llama door, calibration and the catalog alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+from pathlib import Path
+
+from .errors import LocalspecError
+
+GGUF_MAGIC = b"GGUF"
+
+
+def localspec_home() -> Path:
+    """`$LOCALSPEC_HOME`, else `$XDG_CACHE_HOME/localspec`, else `~/.cache/localspec`."""
+    if os.environ.get("LOCALSPEC_HOME"):
+        return Path(os.environ["LOCALSPEC_HOME"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "localspec"
+    return Path.home() / ".cache" / "localspec"
+
+
+def cache_dir(*parts: str) -> Path:
+    """`localspec_home()/parts...`, created if needed; a home that cannot hold directories (a
+    regular file, no permission) is a one-line error naming the variable that set it."""
+    home = localspec_home()
+    path = home.joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        source = "LOCALSPEC_HOME" if os.environ.get("LOCALSPEC_HOME") else \
+            "XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "the default cache path"
+        raise LocalspecError(f"cannot use {home} as localspec's cache directory ({source}): "
+                             f"{e.strerror or e}; point LOCALSPEC_HOME at a writable "
+                             "directory.") from None
+    return path
+
+
+def write_crash_report(exc: BaseException) -> Path:
+    """Write the traceback of an unexpected exception to a file and return its path: under the
+    cache directory if it is usable, else the system's temporary directory."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    for folder in (lambda: cache_dir("crashes"), lambda: Path(tempfile.gettempdir())):
+        try:
+            path = folder() / f"localspec-crash-{stamp}-{os.getpid()}.txt"
+            path.write_text(text)
+            return path
+        except (OSError, LocalspecError):
+            continue
+    raise exc
+
+
+def internal_error_line(exc: BaseException) -> str:
+    """The one line a user sees for a bug: what broke and where the full traceback is."""
+    where = write_crash_report(exc)
+    return (f"internal error ({type(exc).__name__}: {exc}); this is a bug in localspec. "
+            f"The full traceback is in {where}; please include it in a report.")
+
+
+def check_gguf_magic(path: Path) -> None:
+    """Raise LocalspecError unless `path` starts with the 4 bytes `GGUF`."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise LocalspecError(
+            f"{path} is not a GGUF file (it does not start with 'GGUF'); "
+            "pass a .gguf model file or a catalog name."
+        )
