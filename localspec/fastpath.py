@@ -39,7 +39,8 @@ class GreedyVerdict:
 
 def penalize_row(row: np.ndarray, window: Sequence[int], penalty: float) -> None:
     """llama.cpp's repetition penalty on `row` in place: the same float32 arithmetic as
-    sampling.apply_penalty, without copying the row. Example: [2, -1, .5], [0, 1], 2 -> [1, -2, .5]."""
+    sampling.apply_penalty, without copying the row.
+    Example: [2, -1, .5], [0, 1], 2 -> [1, -2, .5]."""
     if penalty == 1.0 or len(window) == 0:
         return
     seen = np.unique(np.asarray(window, dtype=np.int64))
