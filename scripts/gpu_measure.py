@@ -53,18 +53,24 @@ def first_divergence(a, b):
 
 def identity(path: str, layers: int, n_tokens: int, threads) -> dict:
     """Plain vs speculative greedy on PROMPTS, n-gram (adaptive) and scripted k=8 (all correct)."""
-    cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, n_gpu_layers=layers)
+    cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, n_gpu_layers=layers,
+                       cache_mb=0)      # no saved states: each run evaluates its prompt cold
     out = {"model": Path(path).name, "prompts": len(PROMPTS)}
-    with Engine(path, cfg) as eng, Context(eng.model, ContextParams(2048, n_threads=threads)) as one:
+    with Engine(path, cfg) as eng, \
+            Context(eng.model, ContextParams(2048, n_threads=threads)) as one:
         ngram = eng.proposer
-        refs = [eng.generate(p, max_tokens=n_tokens, speculate=False).complete_tokens()
-                for p in PROMPTS]
+        refs = []
+        for prompt in PROMPTS:
+            eng.reset()
+            gen = eng.generate(prompt, max_tokens=n_tokens, speculate=False)
+            refs.append(gen.complete_tokens())
         for mode in ("ngram", "scripted-k8"):
             same, diverged, rechecks, drafted, accepted = 0, [], 0, 0, 0
             for prompt, ref in zip(PROMPTS, refs):
                 eng.proposer = ngram if mode == "ngram" else \
                     ScriptedProposer(ref, "accept", eng.model.n_vocab)
                 policy = None if mode == "ngram" else PolicyConfig(fixed_k=8)
+                eng.reset()
                 gen = eng.generate(prompt, max_tokens=n_tokens, policy=policy)
                 toks = gen.complete_tokens()
                 st = gen.stats
@@ -75,8 +81,9 @@ def identity(path: str, layers: int, n_tokens: int, threads) -> dict:
                     same += 1
                     continue
                 ctx_tokens = eng.tokenize_prompt(prompt) + ref[:d]
-                one.clear()
-                one.decode(ctx_tokens[:-1], logits="none")
+                one.clear()          # the last token decoded alone, as in plain decoding
+                if len(ctx_tokens) > 1:
+                    one.decode(ctx_tokens[:-1], logits="none")
                 gap = top2_gap(one.decode(ctx_tokens[-1:])[0], SamplingParams())
                 diverged.append({"prompt": prompt, "at": d, "top2_gap": round(gap, 4)})
             out[mode] = {"identical": same, "diverged": diverged, "rechecks": rechecks,

@@ -4,14 +4,16 @@ On a GPU a 1.5B decode step takes a few milliseconds, so what Python does around
 batch setup, logits rows, sampler chain per row, verification, bookkeeping) becomes a large
 share. This drives the real engine with a fixed k and times it from outside: llama_decode and
 llama_get_logits (which waits for the GPU) are "device" time, everything else in a step is
-overhead. A scripted proposer makes every step draft exactly k tokens:
+overhead. "engine" runs step.step; "prototype" runs fastpath.greedy_step in its place (same
+contract, one-pass greedy verification), everything around it being the engine's own code.
+A scripted proposer makes every step draft exactly k tokens:
 
   accept   drafts the reference (plain greedy) output: every row is verified, k+1 tokens a step
   reject   drafts a wrong first token: k+1 rows decoded, verification stops at row 0
 
     python scripts/step_overhead.py MODEL.gguf [--ks 0,4,8,16] [--tokens 128] [--gpu-layers -1]
-    python scripts/step_overhead.py --tiny ...            # the test suite's tiny model (sub-ms decode)
-    ... --fast            also prototype_step below (localspec/fastpath.py), interleaved per case
+    python scripts/step_overhead.py --tiny ...     # the test suite's tiny model (sub-ms decode)
+    ... --fast            also the prototype (fastpath.greedy_step), interleaved case by case
     ... --profile N       cProfile a k=N accept run of each step; top functions by own time
     ... --json out.json
     python scripts/step_overhead.py --rows 151936 [--ks ...]   # verification alone, no model
@@ -29,18 +31,21 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 
+import localspec.engine
 from localspec import llama
 from localspec.engine import Engine, EngineConfig
-from localspec.fastpath import greedy_verify
+from localspec.fastpath import greedy_step, greedy_verify
 from localspec.policy import PolicyConfig
-from localspec.proposers import EMPTY, Proposal
-from localspec.sampling import PositionStream, SamplingParams, target_dist, top2_gap
+from localspec.proposers import EMPTY, Proposal, Proposer
+from localspec.sampling import PositionStream, SamplingParams, target_dist
+from localspec.step import near_tie
 from localspec.verify import verify
+
+STEP = localspec.engine.step        # step.step, as the engine imported it
 
 PROMPTS = [
     "Rewrite this function with type hints:\ndef add(a, b):\n    return a + b\n",
@@ -49,7 +54,7 @@ PROMPTS = [
 ]
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Drafts exactly k tokens per step from a known continuation: the right ones ("accept") or
     a wrong first token ("reject"). Same lifecycle as the real proposers."""
 
@@ -109,53 +114,12 @@ class DeviceClock:
             setattr(llama.C, name, real)
 
 
-def prototype_step(engine, req) -> list:
-    """Engine._step with greedy verification by fastpath.greedy_verify: one argmax per row read,
-    the guard's margin from that argmax, rows past the first rejection never read, no Dist or
-    random numbers; sampled decoding and drafts with probabilities take the engine's own path.
-    A sketch for the step module to adopt; the bookkeeping after verification is the engine's."""
-    if not req.sampling.greedy:
-        return type(engine)._step(engine, req)
-    clock = time.perf_counter
-    t0 = clock()
-    room = engine.ctx.n_ctx - engine.ctx.n_past - 1
-    proposal = engine.proposer.propose(req.policy, room) \
-        if req.policy is not None and room > 0 and not req.recheck else EMPTY
-    if proposal.p_draft is not None:
-        raise ValueError("prototype_step: greedy drafts are point masses")
-    drafts, k = proposal.tokens, len(proposal.tokens)
-    n_past, req.recheck = engine.ctx.n_past, False
-    t1 = clock()
-    rows = engine.ctx.decode([req.history[-1], *drafts], logits="all")   # [k + 1, n_vocab] f32
-    t2 = clock()
-    s = req.sampling
-    recent = req.history[-s.repeat_last_n:] if s.repeat_penalty != 1.0 else []
-    margin = 0.0 if engine.config.exact else engine.config.tie_margin
-    verdict = greedy_verify(rows, drafts, s, recent, margin)
-    emitted = verdict.emitted(drafts)
-    req.recheck = verdict.tie is not None
-    if not engine.ctx.truncate(n_past + 1 + verdict.kept):
-        engine._rollback_refused(req, emitted)
-    if k == 0 and proposal.shadow is not None:
-        req.policy.observe(proposal.policy_key, 1, int(proposal.shadow == emitted[0]))
-    elif req.policy is not None:
-        req.policy.observe(proposal.policy_key, k, verdict.n_accepted)
-    st = req.stats
-    st.record_step(proposal.source, k, min(verdict.n_accepted, len(emitted)))
-    st.rechecks += verdict.tie is not None
-    st.step_tokens += len(emitted)
-    st.propose_ms += 1000 * (t1 - t0)
-    st.verify_ms += 1000 * (t2 - t1)
-    st.sample_ms += 1000 * (clock() - t2)
-    return emitted
-
-
-def timed_steps(engine: Engine, clock: DeviceClock, step=None) -> list:
+def timed_steps(engine: Engine, clock: DeviceClock) -> list:
     """Replace engine._step (this instance only) with a wrapper that records, per step, its wall
     time, the device time inside it, the stats' propose/verify/sample deltas, and the loop time
-    since the previous step returned. `step` is an alternative step function(engine, req)."""
+    since the previous step returned."""
     samples, last = [], {"end": None}
-    inner = types.MethodType(step, engine) if step else engine._step
+    inner = engine._step
 
     def wrapped(req):
         st = req.stats
@@ -181,31 +145,34 @@ def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
     """One generation at fixed k: its per-step samples (ms), identity and tokens per step."""
     if k:
         engine.proposer = ScriptedProposer(reference, mode, engine.model.n_vocab)
-    step = prototype_step if fast else None
-    with DeviceClock() as clock:
-        samples = timed_steps(engine, clock, step)
-        engine.reset()
-        prof = cProfile.Profile() if profile else None
-        gen = engine.generate(prompt, sampling, max_tokens=len(reference), speculate=k > 0,
-                              policy=PolicyConfig(k_max=max(k, 1), fixed_k=k))
-        if prof:
-            prof.enable()
-        tokens = gen.complete_tokens()
-        if prof:
-            prof.disable()
-    del engine._step
+    # Engine._step calls the module-level name `step`: the prototype goes in there, for this
+    # generation only, so propose, bookkeeping and the loop stay the engine's own.
+    localspec.engine.step = greedy_step if fast else STEP
+    prof = cProfile.Profile() if profile else None
+    try:
+        with DeviceClock() as clock:
+            samples = timed_steps(engine, clock)
+            engine.reset()
+            gen = engine.generate(prompt, sampling, max_tokens=len(reference), speculate=k > 0,
+                                  policy=PolicyConfig(k_max=max(k, 1), fixed_k=k))
+            if prof:
+                prof.enable()
+            tokens = gen.complete_tokens()
+            if prof:
+                prof.disable()
+    finally:
+        engine.__dict__.pop("_step", None)
+        localspec.engine.step = STEP
     return samples, tokens == reference, prof
 
 
 def engine_verify(rows, drafts, sampling, recent, margin):
-    """What Engine._step does after the decode for greedy point-mass drafts: verify() over
-    target_dist() rows, then the near-tie guard over top2_gap() rows."""
+    """What step.step does after the decode for greedy point-mass drafts: verify() over
+    target_dist() rows, then near_tie() over top2_gap() rows."""
     verdict = verify(drafts, None, lambda i: target_dist(rows[i], sampling, recent + drafts[:i]),
                      PositionStream(1), t0=0)
-    if drafts and margin > 0:
-        for i in range(verdict.n_accepted + 1):
-            if top2_gap(rows[i], sampling, recent + drafts[:i]) < margin:
-                break
+    if drafts:
+        near_tie(rows, verdict.n_accepted, sampling, recent, drafts, margin)
     return verdict
 
 
@@ -256,7 +223,7 @@ def measure(model: str, ks, n_tokens, gpu_layers, threads, penalty, steps, profi
     the two see the same machine state (interleaved in one process)."""
     sampling = SamplingParams(temperature=0.0, repeat_penalty=penalty)
     cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, n_gpu_layers=gpu_layers,
-                       policy=PolicyConfig(k_max=max(max(ks), 1)))
+                       cache_mb=0, policy=PolicyConfig(k_max=max(max(ks), 1)))
     rows, profiles = [], {}
     with Engine(model, cfg) as engine:
         ngram = engine.proposer                  # put back before close, which closes it
@@ -293,7 +260,8 @@ def report(rows, label: str) -> None:
         print(f"{r['step']:9} {r['k']:>3} {r['mode']:7} {r['tokens_per_step']:8.2f} "
               f"{r['device_ms']:8.3f} {r['overhead_ms']:8.3f} {r['propose_ms']:8.3f} "
               f"{r['decode_python_ms']:9.3f} {r['verify_sample_ms']:8.3f} {r['loop_ms']:7.3f}  "
-              f"{100 * share[0]:5.1f}% / {100 * share[1]:4.1f}%   {'yes' if r['identical'] else 'NO'}")
+              f"{100 * share[0]:5.1f}% / {100 * share[1]:4.1f}%   "
+              f"{'yes' if r['identical'] else 'NO'}")
     print("(median ms per step; device = llama_decode + llama_get_logits; overhead = the rest of "
           "the step + the loop since the previous step; share = overhead / (GPU step + overhead))")
 

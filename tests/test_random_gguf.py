@@ -16,15 +16,17 @@ _spec = importlib.util.spec_from_file_location("random_gguf", _path)
 rg = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rg)
 
-TEXTS = ["The capital of France is", "def add(a, b):\n    return a + b\n", "h\u00e9llo \u65e5\u672c \U0001f642",
-         "<|im_start|>user\nhi<|im_end|>"]
+TEXTS = ["The capital of France is", "def add(a, b):\n    return a + b\n",
+         "h\u00e9llo \u65e5\u672c \U0001f642", "<|im_start|>user\nhi<|im_end|>"]
 
 
 def same_tokenizer(a: Model, b: Model) -> None:
-    assert (a.n_vocab, a.bos, a.eos, a.chat_template()) == (b.n_vocab, b.bos, b.eos, b.chat_template())
+    assert (a.n_vocab, a.bos, a.eos, a.chat_template()) == \
+        (b.n_vocab, b.bos, b.eos, b.chat_template())
     for text in TEXTS:
         for special in (False, True):
-            assert a.tokenize(text, parse_special=special) == b.tokenize(text, parse_special=special)
+            assert a.tokenize(text, parse_special=special) == \
+                b.tokenize(text, parse_special=special)
 
 
 def greedy(model: Model, n: int = 24) -> list:
@@ -68,8 +70,10 @@ def test_make_can_quantize_to_another_type(tiny_path, tmp_path):
 def test_init_scales_follow_the_tensor_roles():
     assert rg.init_std("blk.0.attn_norm.weight", (576,), False, 8.0) == "ones"
     assert rg.init_std("blk.0.attn_q.bias", (1536,), False, 8.0) == "zeros"
-    assert rg.init_std("blk.0.ffn_down.weight", (8960, 1536), False, 8.0) == pytest.approx(8960 ** -0.5)
-    assert rg.init_std("blk.0.attn_k.weight", (1536, 256), False, 8.0) == pytest.approx(3 / 1536 ** 0.5)
+    assert rg.init_std("blk.0.ffn_down.weight", (8960, 1536), False, 8.0) == \
+        pytest.approx(8960 ** -0.5)
+    assert rg.init_std("blk.0.attn_k.weight", (1536, 256), False, 8.0) == \
+        pytest.approx(3 / 1536 ** 0.5)
     assert rg.init_std("token_embd.weight", (576, 49152), True, 8.0) == pytest.approx(8 / 24)
     assert rg.init_std("token_embd.weight", (1536, 151936), False, 8.0) == 1.0
 
