@@ -2,9 +2,10 @@
 # Packs what a run on a lent GPU machine needs into the ignored folders .gpu/ and .gpu2/, within
 # the device's 64 MiB per call (working tree included). The machine reaches no network, so:
 #   .gpu/whl/    llama-cpp-python's sdist, TRIMMED (vendored llama.cpp without models, docs, tests,
-#                examples, web UI, and ggml backends other than CPU and CUDA), plus Python 3.12
-#                wheels of what localspec needs that the image lacks (cffi, pycparser, diskcache, gguf)
-#                and of scikit-build-core (the image's version is unknown; the build needs >= 0.9.2)
+#                examples, web UI, and ggml backends other than CPU, CUDA and RPC), plus Python 3.12
+#                wheels of what `pip install -e .[server,test]` needs that the image lacks (its
+#                package list: /work/.library/device/KINDS.md), and of scikit-build-core (the
+#                image's version is unknown; the build needs >= 0.9.2)
 #   .gpu/specs/  random_gguf.py specs (metadata only, xz) of the cached catalog models
 #   .gpu/smollm2.part1, .gpu2/smollm2.part2   the real SmolLM2-135M in two halves: the first call
 #                carries .gpu, the second .gpu2 (a path not named in `carry` stays on the machine)
@@ -19,10 +20,16 @@ G=.gpu
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$G/whl" "$G/specs" .gpu2
 
-# 1. The sdist, once (77 MB), then trimmed to what a CPU + CUDA build compiles.
+# 1. The sdist, once (77 MB), then trimmed to what a CPU + CUDA + RPC build compiles. Never
+# `--no-binary :all:`: that builds the sdist's build tools (cmake) from source too, 20+ minutes.
 SD="$HOME_DIR/sdist"
 if [ ! -f "$SD/llama_cpp_python-$V.tar.gz" ]; then
-  "$PY" -m pip download -q --no-deps --no-binary :all: -d "$SD" "llama-cpp-python==$V"
+  "$PY" -m pip download -q --no-deps --no-binary llama-cpp-python -d "$SD" "llama-cpp-python==$V"
+fi
+# A trim from before the RPC backend was built (GGML_RPC=ON) lacks ggml-rpc: make it again.
+if [ -f "$G/whl/llama_cpp_python-$V.tar.gz" ] && \
+   ! tar tzf "$G/whl/llama_cpp_python-$V.tar.gz" | grep -q "ggml/src/ggml-rpc/"; then
+  rm "$G/whl/llama_cpp_python-$V.tar.gz"
 fi
 if [ ! -f "$G/whl/llama_cpp_python-$V.tar.gz" ]; then
   TMP=$(mktemp -d)
@@ -37,17 +44,26 @@ if [ ! -f "$G/whl/llama_cpp_python-$V.tar.gz" ]; then
   find "$L/tools" -mindepth 1 -maxdepth 1 ! -name mtmd -exec rm -rf {} +
   rm -rf "$L/tools/mtmd"/{tests,legacy-models,test-1.jpeg,test-2.mp3,test-3.mp4}
   # ggml backends: ggml_add_backend() adds a backend's folder only when its GGML_<NAME> option is
-  # on, so the others can go (their public headers stay: ggml installs them all).
-  for b in blas cann et hexagon hip metal musa opencl openvino rpc sycl virtgpu vulkan webgpu \
+  # on, so the others can go (their public headers stay: ggml installs them all). RPC stays:
+  # buildflags.py turns it on everywhere (--rpc, localspec rpc-server).
+  for b in blas cann et hexagon hip metal musa opencl openvino sycl virtgpu vulkan webgpu \
            zdnn zendnn; do
     rm -rf "$L/ggml/src/ggml-$b"
   done
   tar czf "$G/whl/llama_cpp_python-$V.tar.gz" -C "$TMP" "llama_cpp_python-$V"
 fi
 
-# 2. Wheels for the device's Python (3.12, manylinux x86_64), one version of each.
+# 2. Wheels for the device's Python (3.12, manylinux x86_64), one version of each: localspec's
+# and llama-cpp-python's (cffi, pycparser, diskcache), the test extra's gguf and openai (with
+# pydantic, pydantic-core, annotated-types, typing-inspection, distro, jiter, sniffio, httpx2,
+# httpcore2, truststore), the server extra (starlette, uvicorn). anyio, typing-extensions, h11
+# and idna are in the image but travel too (small), since openai and pydantic want recent ones
+# and the image's versions are unknown. The image has the rest (numpy, click, jinja2, pytest,
+# scipy, hypothesis, httpx, tqdm).
 pyver() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
-for pkg in cffi pycparser diskcache gguf scikit-build-core; do
+for pkg in cffi pycparser diskcache gguf scikit-build-core starlette uvicorn openai pydantic \
+           pydantic-core annotated-types typing-inspection distro jiter sniffio httpx2 httpcore2 \
+           truststore anyio typing-extensions h11 idna; do
   ls "$G/whl/${pkg//-/_}-"*.whl >/dev/null 2>&1 && continue
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
