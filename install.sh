@@ -4,7 +4,9 @@
 # wheel per flag set so a rerun takes seconds, then installs localspec with its HTTP server and
 # test extras. pip's output goes to $VENV/install.log, never to stdout; a failure prints its tail.
 # Usage: ./install.sh            Env: PYTHON, LOCALSPEC_VENV, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS,
-#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_HOME (cache location)
+#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_CUDA_ARCH, LOCALSPEC_HOME (cache),
+#                                     LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python source
+#                                     tree to build instead of PyPI's sdist: scripts/gpu_run.sh)
 set -euo pipefail
 cd "$(dirname "$0")"
 LLAMA_CPP_PYTHON=0.3.36          # keep in step with pyproject.toml
@@ -45,7 +47,8 @@ if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
     rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
     CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
       quiet "building llama-cpp-python" \
-      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" \
+      "${LOCALSPEC_LLAMA_SRC:-llama-cpp-python==$LLAMA_CPP_PYTHON}"
     rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
   fi
   exec 9>&-

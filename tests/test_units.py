@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from localspec.buildflags import choose
+from localspec.buildflags import choose, cuda_arch_of
 from localspec.policy import DraftPolicy, PolicyConfig, expected_tokens
 from localspec.sampling import (Dist, PositionStream, SamplingParams, apply_penalty, draw,
                                 target_dist)
@@ -156,3 +156,14 @@ def test_build_flags_include_the_rpc_backend_on_every_host():
     """`--rpc` and `localspec rpc-server` need ggml-rpc in the one build install.sh makes."""
     for host in [("Linux", "x86_64", AMX_HOST), ("Darwin", "arm64", ""), ("Linux", "aarch64", "")]:
         assert "-DGGML_RPC=ON" in choose(*host, nvcc=False, gpu=False)[0]
+
+
+def test_build_flags_cuda_builds_for_the_gpu_it_finds():
+    # ggml's default with GGML_NATIVE=OFF is seven architectures; one is what a 10-minute build
+    # on the lent H100 affords, and what a laptop GPU needs.
+    args, why = choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=True, cuda_arch="90")
+    assert args[-2:] == ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"]
+    assert "-DCMAKE_CUDA_ARCHITECTURES=native" in choose("Linux", "x86_64", "", True, True)[0]
+    assert not any("CUDA" in a for a in choose("Linux", "x86_64", "", True, True, "0", "90")[0])
+    assert cuda_arch_of("9.0\n9.0\n") == "90" and cuda_arch_of("8.9\n8.6") == "86;89"
+    assert cuda_arch_of("") == "" and cuda_arch_of("[N/A]") == ""
