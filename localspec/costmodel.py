@@ -168,6 +168,9 @@ class CostModel:
 
 # -- calibration stability -------------------------------------------------------------------
 NOISY_SPREAD = 0.08     # per-round r(k) disagreeing by more than 8% (median over k): noisy
+JITTER_MS = 1.0         # one-token decodes faster than this (tiny models) are timer and
+                        # scheduler jitter whatever the load: never judged noisy; online
+                        # timing refines their curve
 
 
 @dataclass(frozen=True)
@@ -177,16 +180,18 @@ class Stability:
     worst_k: int           # the k whose per-round r(k) disagreed most
     worst_spread: float
     base_spread: float     # (max - min) / min of the one-token time across rounds
+    step_ms: float = 0.0   # the fastest one-token decode (0: unknown)
 
     @property
     def noisy(self) -> bool:
-        return self.spread > NOISY_SPREAD
+        return self.spread > NOISY_SPREAD and not 0.0 < self.step_ms < JITTER_MS
 
 
 def round_stability(times: Sequence[Sequence[float]]) -> Stability:
     """How much the calibration rounds agree. times: [rounds][k_max + 1] seconds.
     A round's r(k) is its own time(k) / time(0), so a machine that is uniformly slower for a
-    round does not count as noise; another job that comes and goes within a round does.
+    round does not count as noise; another job that comes and goes within a round does. With 4+
+    rounds the highest and lowest r(k) are left out: one odd round is not a busy machine.
 
     >>> s = round_stability([[1.0, 1.5, 2.0], [1.0, 1.5, 2.1], [1.0, 1.6, 2.0]])
     >>> round(s.spread, 3), s.worst_k, s.noisy
@@ -196,13 +201,16 @@ def round_stability(times: Sequence[Sequence[float]]) -> Stability:
     k_max = len(rounds[0]) - 1 if rounds else 0
     spreads = []
     for k in range(1, k_max + 1):
-        rs = [r[k] / r[0] for r in rounds]
-        spreads.append((max(rs) - min(rs)) / min(rs))
+        rs = sorted(r[k] / r[0] for r in rounds)
+        if len(rs) >= 4:
+            rs = rs[1:-1]
+        spreads.append((rs[-1] - rs[0]) / rs[0])
     base = [r[0] for r in rounds]
     worst = max(range(len(spreads)), key=spreads.__getitem__) if spreads else 0
     return Stability(len(rounds), statistics.median(spreads) if spreads else 0.0, worst + 1,
                      spreads[worst] if spreads else 0.0,
-                     (max(base) - min(base)) / min(base) if base else 0.0)
+                     (max(base) - min(base)) / min(base) if base else 0.0,
+                     1000.0 * min(base) if base else 0.0)
 
 
 def stability_line(st: Stability, attempts: int = 1) -> str:
@@ -211,7 +219,8 @@ def stability_line(st: Stability, attempts: int = 1) -> str:
     >>> stability_line(Stability(5, 0.031, 3, 0.07, 0.12))
     'stability: stable (5 rounds; per-round r(k) within 3.1% (median over k), worst r(3) 7.0%; one-token time varied 12.0%)'
     """
-    verdict = "NOISY (another job running?)" if st.noisy else "stable"
+    verdict = "NOISY (another job running?)" if st.noisy else \
+        "timer-bound (steps under 1 ms; refined online)" if st.spread > NOISY_SPREAD else "stable"
     again = f", {attempts} attempts" if attempts > 1 else ""
     return (f"stability: {verdict} ({st.rounds} rounds{again}; per-round r(k) within "
             f"{100 * st.spread:.1f}% (median over k), worst r({st.worst_k}) "

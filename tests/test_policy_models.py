@@ -113,6 +113,12 @@ def test_noisy_calibration_is_detected():
     assert st.noisy and st.worst_k in (2, 3) and st.spread > costmodel.NOISY_SPREAD
     assert "NOISY" in costmodel.stability_line(st)
     assert "stable" in costmodel.stability_line(round_stability(quiet))
+    five = quiet + quiet[:1] + [busy[1]]                      # one odd round of five: left out
+    assert not round_stability(five).noisy
+    tiny = [[t / 1000 for t in r] for r in busy]              # 0.06 ms steps: timer jitter
+    assert round_stability(tiny).spread > costmodel.NOISY_SPREAD
+    assert not round_stability(tiny).noisy
+    assert "timer-bound" in costmodel.stability_line(round_stability(tiny))
 
 
 def test_noisy_cached_curve_is_measured_again_and_the_steadier_kept(tmp_path, monkeypatch):
