@@ -2,10 +2,13 @@
 # Sets up localspec in ./.venv (or $LOCALSPEC_VENV): builds llama-cpp-python for this host
 # (flags from localspec/buildflags.py: no AMX crash, CUDA/Metal when present) and the copy of its
 # libraries that --exact loads, caches both per flag set so a rerun takes seconds, then installs
-# localspec with its HTTP server and
-# test extras. pip's output goes to $VENV/install.log, never to stdout; a failure prints its tail.
+# localspec with its HTTP server and test extras. pip's output goes to $VENV/install.log, never to
+# stdout; a failure prints its tail.
 # Usage: ./install.sh            Env: PYTHON, LOCALSPEC_VENV, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS,
-#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_HOME (cache location)
+#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_CUDA_ARCH, LOCALSPEC_HOME (cache),
+#                                     LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python source
+#                                     tree to build instead of PyPI's sdist: scripts/gpu_run.sh),
+#                                     LOCALSPEC_EXACT_LIBS=0 (no --exact libraries: ~2 min less)
 set -euo pipefail
 cd "$(dirname "$0")"
 LLAMA_CPP_PYTHON=0.3.36          # keep in step with pyproject.toml
@@ -46,7 +49,8 @@ if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
     rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
     CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
       quiet "building llama-cpp-python" \
-      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" \
+      "${LOCALSPEC_LLAMA_SRC:-llama-cpp-python==$LLAMA_CPP_PYTHON}"
     rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
   fi
   exec 9>&-
@@ -64,12 +68,17 @@ build_exact_cpu_lib() {
   local args; args=$("$VPY" localspec/buildflags.py --exact)
   echo "Building ggml-cpu without llamafile for --exact (~2 min on 2 cores) with: $args" >&2
   command -v cmake >/dev/null || quiet "installing cmake" "$VPY" -m pip install cmake
-  quiet "downloading the llama-cpp-python source" \
-    "$VPY" -m pip download --no-deps --no-cache-dir -d "$src" "llama-cpp-python==$LLAMA_CPP_PYTHON"
-  quiet "unpacking the llama-cpp-python source" tar -xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
+  local tree=${LOCALSPEC_LLAMA_SRC:-}            # the wheel's own source tree when one was given
+  if [ -z "$tree" ]; then
+    quiet "downloading the llama-cpp-python source" "$VPY" -m pip download --no-deps \
+      --no-cache-dir -d "$src" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+    quiet "unpacking the llama-cpp-python source" \
+      tar -xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
+    tree=$(echo "$src"/llama_cpp_python-*/)
+  fi
   # shellcheck disable=SC2086  # args is a list of -D flags
-  quiet "configuring ggml-cpu without llamafile" cmake -S "$(echo "$src"/llama_cpp_python-*/)" \
-    -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD=OFF $args
+  quiet "configuring ggml-cpu without llamafile" cmake -S "$tree" -B "$src/build" \
+    -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD=OFF $args
   quiet "building ggml-cpu without llamafile" cmake --build "$src/build" --target ggml-cpu \
     -j "$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)"
   rm -rf "$WHEELS-exact.tmp" && mkdir -p "$WHEELS-exact.tmp"

@@ -5,7 +5,10 @@ Why: a default (-march=native) build enables Intel AMX kernels that segfault on 
 on Sapphire Rapids and newer (upstream llama.cpp issue 20824), and `-DGGML_AMX_*=OFF` alone does
 not help because -march=native turns AMX back on. So on x86 we build with GGML_NATIVE=OFF and
 name each instruction set the CPU has, AMX excluded; the repacked CPU kernels stay on.
-CUDA is enabled when nvcc and an NVIDIA GPU are both present, Metal on Apple Silicon.
+CUDA is enabled when nvcc and an NVIDIA GPU are both present, for that GPU's architecture only
+(nvidia-smi's compute capability, else CMake's "native"): with GGML_NATIVE=OFF, ggml would
+otherwise compile every kernel for seven architectures, several times the build time.
+Metal on Apple Silicon.
 llamafile's tinyBLAS stays on (llama.cpp's default): without it prefill ran 0.94x on a 2-core
 EPYC (docs/build.md). It serves only batches of 2+ rows, so with it a verify batch computes
 different logits from one-token decoding; `--exact` therefore loads a second copy of the one
@@ -14,7 +17,8 @@ ggml's RPC backend is built everywhere (GGML_RPC=ON): `--rpc` spreads a model's 
 `localspec rpc-server` processes on other hosts, and that server comes from this same build.
 
 Overrides: LOCALSPEC_CMAKE_ARGS replaces the choice entirely; CMAKE_ARGS is appended (later -D
-flags win); LOCALSPEC_CUDA=1/0 forces CUDA on/off.
+flags win); LOCALSPEC_CUDA=1/0 forces CUDA on/off; LOCALSPEC_CUDA_ARCH (e.g. "90") names the
+CUDA architectures.
 Run `python localspec/buildflags.py --explain` to see the decision, `--exact` for the exact copy's.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,12 +52,33 @@ def has_nvidia_gpu() -> bool:
     return Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
 
 
+def cuda_arch_of(compute_caps: str) -> str:
+    """CMAKE_CUDA_ARCHITECTURES for nvidia-smi's compute_cap lines, "" if none parse.
+    Example: "9.0\n9.0\n" -> "90"; "8.6\n8.9" -> "86;89"."""
+    archs = set()
+    for line in compute_caps.split():
+        major, _, minor = line.strip().partition(".")
+        if major.isdigit() and minor.isdigit():
+            archs.add(int(major) * 10 + int(minor))
+    return ";".join(str(a) for a in sorted(archs))
+
+
+def host_cuda_arch() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return cuda_arch_of(out.stdout) if out.returncode == 0 else ""
+
+
 def choose(system: str, machine: str, cpuinfo: str, nvcc: bool, gpu: bool,
-           cuda_env: str = "") -> tuple:
+           cuda_env: str = "", cuda_arch: str = "") -> tuple:
     """Return (cmake_args list, reasons list). Pure function of its inputs, for tests.
 
     Example: Linux x86_64 with flags "avx avx2 fma f16c amx_tile", no GPU ->
     GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C=ON, the other listed sets OFF, AMX_*=OFF.
+    cuda_arch: the GPU's CMAKE_CUDA_ARCHITECTURES ("90" on an H100); "" lets CMake detect it.
     """
     args = ["-DGGML_LLAMAFILE=ON", "-DGGML_RPC=ON"]
     why = ["llamafile tinyBLAS on: full prefill speed (--exact loads a ggml-cpu built without it)",
@@ -74,8 +100,10 @@ def choose(system: str, machine: str, cpuinfo: str, nvcc: bool, gpu: bool,
         why.append(f"{system}/{machine}: llama.cpp's default native build")
     want_cuda = {"1": True, "0": False}.get(cuda_env, nvcc and gpu)
     if want_cuda:
-        args.append("-DGGML_CUDA=ON")
+        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch or 'native'}"]
         why.append("CUDA: nvcc and an NVIDIA GPU found" if not cuda_env else "CUDA forced by LOCALSPEC_CUDA")
+        why.append(f"CUDA kernels for architecture {cuda_arch} only" if cuda_arch else
+                   "CUDA kernels for the GPUs CMake finds at build time (native)")
     elif nvcc and not gpu:
         why.append("nvcc found but no NVIDIA GPU: CPU-only build (LOCALSPEC_CUDA=1 to force)")
     return args, why
@@ -96,8 +124,10 @@ def host_cmake_args() -> tuple:
     except OSError:
         cpuinfo = ""
     nvcc = bool(shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists())
-    args, why = choose(platform.system(), platform.machine(), cpuinfo, nvcc, has_nvidia_gpu(),
-                       os.environ.get("LOCALSPEC_CUDA", ""))
+    gpu = has_nvidia_gpu()
+    arch = os.environ.get("LOCALSPEC_CUDA_ARCH") or (host_cuda_arch() if nvcc and gpu else "")
+    args, why = choose(platform.system(), platform.machine(), cpuinfo, nvcc, gpu,
+                       os.environ.get("LOCALSPEC_CUDA", ""), arch)
     extra = os.environ.get("CMAKE_ARGS", "").split()
     if extra:
         why.append(f"CMAKE_ARGS appended: {' '.join(extra)}")

@@ -9,15 +9,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import time
+from dataclasses import asdict
 
+from .costmodel import Stability, round_stability
 from .files import cache_dir
 from .llama import Context, system_info, tiled_matmul_off
 from .policy import CostCurve
 from .rpc import attached as rpc_attached
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3       # 3: per-round stability is cached (older curves had none)
+REMEASURE_NOISY = 2      # loads that re-measure a curve cached as noisy, at most
 
 
 def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
@@ -34,7 +36,8 @@ def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
 def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
     """Decode batches of 1..k_max+1 tokens after a short prefix; keep the fastest of `reps` rounds.
 
-    Leaves the context empty. Costs about reps * sum(r(k)) one-token decodes.
+    Leaves the context empty. Costs about reps * sum(r(k)) one-token decodes. notes["stability"]
+    says how well the rounds agreed (costmodel.round_stability).
     """
     ctx.clear()
     vocab = ctx.model.n_vocab
@@ -44,14 +47,17 @@ def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
     batches = [[(11 * j + 5) % vocab for j in range(k + 1)] for k in range(k_max + 1)]
     ctx.decode(batches[0], logits="all")          # warm-up
     ctx.truncate(base)
-    times = [float("inf")] * (k_max + 1)
+    rounds = []
     for _ in range(reps):  # rounds over every k, so drift on a shared machine hits all k alike
-        for k, toks in enumerate(batches):
+        row = []
+        for toks in batches:
             t = time.perf_counter()
             ctx.decode(toks, logits="all")
-            times[k] = min(times[k], time.perf_counter() - t)  # noise only ever adds time
+            row.append(time.perf_counter() - t)
             ctx.truncate(base)
+        rounds.append(row)
     ctx.clear()
+    times = [min(r[k] for r in rounds) for k in range(k_max + 1)]  # noise only ever adds time
     one = times[0]
     ratios = [max(1.0, t / one) for t in times]
     # Suffix minimum: a spike at k (noise) cannot make k dearer than a larger batch measured
@@ -59,37 +65,63 @@ def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
     for k in range(k_max - 1, 0, -1):
         ratios[k] = min(ratios[k], ratios[k + 1])
     ratios[0] = 1.0
-    return CostCurve(tuple(round(r, 3) for r in ratios), ms_per_step=1000 * one)
+    return CostCurve(tuple(round(r, 3) for r in ratios), ms_per_step=1000 * one,
+                     notes={"stability": round_stability(rounds)})
 
 
 def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
-                    progress=None, force: bool = False) -> CostCurve:
+                    progress=None, force: bool = False, attempts: int = 1) -> CostCurve:
     """The cached curve for this model/device/threads, measuring it the first time (or when
     `force`: `localspec calibrate` re-measures on a quiet machine). A cached file that is not a
-    curve (edited, truncated, another version) is measured again, with a note."""
+    curve (edited, truncated, another version) is measured again, with a note.
+
+    A curve whose calibration rounds disagreed (a busy machine) is cached marked noisy and
+    measured again on each of the next REMEASURE_NOISY loads, keeping the steadier one; within
+    one call, up to `attempts` measurements are taken while they come out noisy."""
     key = curve_key(ctx, n_gpu_layers, k_max)
     path = cache_dir("calibration") / f"{key}.json"    # fails early if the cache is unusable
+    cached = None
     if not force and path.exists():
-        curve = _read_curve(path, k_max, key)
-        if curve is not None:
-            return curve
-        if progress:
+        cached = _read_curve(path, k_max, key)
+        if cached is None and progress:
             progress(f"the cached cost curve {path} is damaged; measuring it again.")
+    if cached is not None:
+        st = cached.notes.get("stability")
+        if st is None or not st.noisy or cached.notes.get("remeasured", 0) >= REMEASURE_NOISY:
+            return cached
     if progress:
         who = f"{ctx.model.path.name} with {ctx.n_threads} thread{'s' * (ctx.n_threads != 1)}"
         progress(f"localspec: re-timing batched verification of {who}..." if force else
+                 f"localspec: the last calibration of {who} was noisy (another job running?); "
+                 "timing batched verification again..." if cached is not None else
                  f"localspec: first speculative run of {who} here: timing batched verification "
                  f"to pick draft lengths (once, about a minute; cached in {path.parent}, later "
                  "runs skip it)...")
     started = time.perf_counter()
-    curve = measure(ctx, k_max)
+    curve = None
+    for _ in range(max(1, attempts)):
+        new = measure(ctx, k_max)
+        if curve is None or new.notes["stability"].spread < curve.notes["stability"].spread:
+            curve = new
+        if not curve.notes["stability"].noisy:
+            break
     if progress:
         progress(f"localspec: calibrated in {time.perf_counter() - started:.1f} s.")
+    if cached is not None and cached.notes["stability"].spread < curve.notes["stability"].spread:
+        curve = cached                               # the earlier one was steadier: keep it
+    remeasured = cached.notes.get("remeasured", 0) + 1 if cached is not None else 0
+    _write(path, ctx, curve, remeasured)
+    return CostCurve(curve.ratios, curve.ms_per_step, key,
+                     {"stability": curve.notes["stability"], "remeasured": remeasured})
+
+
+def _write(path, ctx: Context, curve: CostCurve, remeasured: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
-                               "model": str(ctx.model.path), "threads": ctx.n_threads}))
+                               "model": str(ctx.model.path), "threads": ctx.n_threads,
+                               "stability": asdict(curve.notes["stability"]),
+                               "remeasured": remeasured}))
     os.replace(tmp, path)
-    return CostCurve(curve.ratios, curve.ms_per_step, key)
 
 
 def _read_curve(path, k_max: int, key: str):
@@ -102,6 +134,9 @@ def _read_curve(path, k_max: int, key: str):
                 and all(isinstance(r, (int, float)) and r >= 1.0 for r in ratios)
                 and isinstance(ms, (int, float)) and ms > 0):
             return None
-        return CostCurve(tuple(float(r) for r in ratios), float(ms), key)
+        notes = {"remeasured": int(data.get("remeasured", 0))}
+        if isinstance(data.get("stability"), dict):
+            notes["stability"] = Stability(**data["stability"])
+        return CostCurve(tuple(float(r) for r in ratios), float(ms), key, notes)
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -37,3 +37,5 @@ class EngineConfig:
     ngram_max: int = NGRAM_MAX
     ngram_tie: str = NGRAM_TIE
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    learn_cost: bool = True               # refine r(k) from step timings (False: the cached
+                                          # curve alone decides k: same k sequence every run)

@@ -17,11 +17,13 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from .adaptive import AdaptiveConfig, AdaptivePolicy
 from .calibrate import load_or_measure
 from .config import EngineConfig
 from .errors import LocalspecError
 from .factory import context_params, fit_to_device, load_model, make_cache, make_proposer
 from .llama import Context, Model
+from .costmodel import CostConfig, CostModel
 from .policy import DraftPolicy, PolicyConfig
 from .prompt_cache import PromptCache
 from .proposers import EMPTY, Proposal, Proposer
@@ -45,7 +47,7 @@ class _Request:
 
     sampling: SamplingParams
     stream: PositionStream
-    policy: Optional[DraftPolicy]
+    policy: Optional[AdaptivePolicy]
     history: list                 # prompt + emitted tokens (what penalties and n-gram see)
     tie_margin: float             # the near-tie guard for this request (0: off)
     out: list = field(default_factory=list)
@@ -116,7 +118,7 @@ class Engine:
                   f"{self.model.path.name} was trained on ({self.model.n_ctx_train}); output "
                   "past that length may degrade. Lower --ctx unless you know it copes.",
                   file=sys.stderr)
-        self._cost = None
+        self._cost: Optional[CostModel] = None   # learns this machine across requests
         self._draft_cost = 0.0
         self._can_rollback = True
 
@@ -260,6 +262,8 @@ class Engine:
             if not self.ctx.truncate(min(self.ctx.n_past, n_prompt + len(req.out))):
                 self.ctx.clear()
             st.generated_tokens = len(req.out)
+            if req.policy is not None:
+                st.pauses = req.policy.guard.n_backoffs
             st.total_ms = 1000 * (time.perf_counter() - start)
             if not st.stop_reason:
                 st.stop_reason = "cancelled"
@@ -277,7 +281,7 @@ class Engine:
         if not result.rolled_back:
             self._rollback_refused(req, result.emitted)
         if req.policy is not None:
-            self._learn(req.policy, proposal, result)
+            self._learn(req.policy, proposal, result, propose_ms)
         st = req.stats
         st.record_step(proposal.source, result.n_drafted,
                        min(result.n_accepted, len(result.emitted)))
@@ -289,32 +293,44 @@ class Engine:
         return result.emitted
 
     @staticmethod
-    def _learn(policy: DraftPolicy, proposal: Proposal, result: StepResult) -> None:
-        if result.n_drafted:
-            policy.observe(proposal.policy_key, result.n_drafted, result.n_accepted)
-        elif proposal.shadow is not None:
-            # Plain step with a guess at hand: learn its acceptance for free.
-            policy.observe(proposal.policy_key, 1, int(proposal.shadow == result.emitted[0]))
+    def _learn(policy: AdaptivePolicy, proposal: Proposal, result: StepResult,
+               propose_ms: float) -> None:
+        if proposal.source == "draft":     # the draft model keeps its scalar estimate
+            if result.n_drafted:
+                policy.draft.observe("draft", result.n_drafted, result.n_accepted)
+            return
+        # n-gram proposals and plain steps: acceptance, the guard and the cost curve learn
+        policy.observe_step(proposal.features, result.n_drafted, result.n_accepted,
+                            result.emitted, result.verify_ms, propose_ms)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _policy(self, override: Optional[PolicyConfig]) -> Optional[DraftPolicy]:
-        """The draft policy for a request (None: decode plainly), on the measured cost curve.
-        Drops a draft model that cannot pay here, once."""
+    def _policy(self, override: Optional[PolicyConfig]) -> Optional[AdaptivePolicy]:
+        """The draft policy for a request (None: decode plainly): per-request acceptance and
+        guard (adaptive.py) on the engine's cost model, which starts from the calibrated curve and
+        learns from every step's timing. Drops a draft model that cannot pay here, once."""
         if self.proposer is None or not self._can_rollback:
             return None
         config = override or self.config.policy
+        adaptive = AdaptiveConfig(k_max=config.k_max, fixed_k=config.fixed_k)
         if config.fixed_k is not None:    # no choice to make: no cost curve to measure
-            return DraftPolicy([1.0] * (config.k_max + 1), config)
+            flat = [1.0] * (config.k_max + 1)
+            return AdaptivePolicy(CostModel(flat, config=CostConfig(online=False)), adaptive,
+                                  DraftPolicy(flat, config))
         if self._cost is None:
             curve = load_or_measure(self.ctx, self.config.n_gpu_layers, self.config.policy.k_max,
                                     progress=self._progress)
-            self._cost = curve.ratios
+            st = curve.notes.get("stability")
+            self._cost = CostModel(curve.ratios, curve.ms_per_step,
+                                   CostConfig(online=self.config.learn_cost),
+                                   noisy=bool(st is not None and st.noisy))
             self._draft_cost = self.proposer.draft_cost(curve, self._progress)
-        rules = DraftPolicy(self._cost, config, self._draft_cost)
+        rules = DraftPolicy(self._cost.prior.tolist(), config, self._draft_cost)
         self.proposer = fit_to_device(self.proposer, rules)
         if self.proposer is not None and not self.proposer.uses_draft_model:
             self._draft_cost = 0.0
-        return rules if self.proposer is not None else None
+        if self.proposer is None:
+            return None
+        return AdaptivePolicy(self._cost, adaptive, rules)
 
     def _rollback_refused(self, req: _Request, emitted: list) -> None:
         """The model's memory cannot drop rows (recurrent/hybrid): rebuild KV, stop speculating."""

@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Optional, Union
 
+from .acceptance import TokenClasses
 from .catalog import resolve_model
 from .compat import check_pair
 from .config import PROPOSERS, EngineConfig
@@ -66,15 +67,21 @@ def make_proposer(config: EngineConfig, target: Model,
     if config.proposer == "none":
         return None
     if config.proposer == "ngram":
-        return NgramProposer(config.ngram_min, config.ngram_max, config.ngram_tie)
+        return make_ngram(config, target)
     if not config.draft:
         raise LocalspecError(f"--proposer {config.proposer} needs a draft model: "
                              "pass --draft MODEL (e.g. --draft default-draft).")
     draft = load_draft(config, target, cache)
     if config.proposer == "draft":
         return draft
-    return HybridProposer(NgramProposer(config.ngram_min, config.ngram_max, config.ngram_tie),
-                          draft)
+    return HybridProposer(make_ngram(config, target), draft)
+
+
+def make_ngram(config: EngineConfig, target: Model) -> NgramProposer:
+    """The n-gram proposer, telling the acceptance model which drafted tokens are line breaks or
+    sentence ends (acceptance.token_class) through the target's vocabulary."""
+    return NgramProposer(config.ngram_min, config.ngram_max, config.ngram_tie,
+                         token_classes=TokenClasses(target.token_piece))
 
 
 def load_draft(config: EngineConfig, target: Model,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +190,27 @@ def build_has_amx() -> bool:
     """True when this llama.cpp build contains the AMX kernels that crash on first decode
     (upstream llama.cpp issue 20824); install.sh builds without them."""
     return "AMX" in system_info()
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int,
+             tensor_types: Optional[dict] = None, threads: int = 0) -> None:
+    """Write `dst`: the GGUF `src` quantized to llama_ftype `ftype` (15 = Q4_K_M) by llama.cpp's
+    own quantizer, the one `llama-quantize` runs. tensor_types {tensor name: ggml type id} pins
+    tensors to exact types; the rest follow llama.cpp's mixture rules for `ftype`.
+    threads 0 = every core. Used to make random-weight models of a real model's shape."""
+    _ensure_backend()
+    params = C.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads
+    patterns = [(f"^{re.escape(name)}$".encode(), int(t)) for name, t in (tensor_types or {}).items()]
+    if patterns:                       # a list ended by a NULL pattern; keep the bytes alive
+        overrides = (C.llama_model_tensor_override * (len(patterns) + 1))()
+        for slot, (pattern, ggml_type) in zip(overrides, patterns):
+            slot.pattern, slot.type = pattern, ggml_type
+        params.tt_overrides = overrides
+    rc = C.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise LocalspecError(f"llama.cpp could not quantize {src} (code {rc}).")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .acceptance import DraftFeatures
+
 
 def expected_tokens(a: float, k: int) -> float:
     """E(k) = 1 + a + ... + a^k. Example: a=0.5, k=2 -> 1.75."""
@@ -111,6 +113,36 @@ class DraftPolicy:
             if self._idle[source] % c.probe_every == 0:
                 return 1
         return best_k
+
+    # -- the step interface (shared with adaptive.AdaptivePolicy; the replay drives both) ------
+    KEY_LENGTHS = 4    # match lengths 1, 2, 3 and 4+ are learned apart
+
+    @classmethod
+    def key_for(cls, f: DraftFeatures) -> str:
+        """Acceptance is learned per source and matched-suffix length: a one-token match in
+        prose is a coin toss, a four-token one in copied code is nearly certain. Measured on the
+        workloads' plain outputs: first-draft acceptance 0.38 / 0.55 / 0.65 / 0.69 for summary
+        matches of length 1 / 2 / 3 / 4, and 0.24 / 0.63 / 0.82 / 0.94 for code edits."""
+        return f"{f.source}:{min(f.ngram_len, cls.KEY_LENGTHS)}"
+
+    def start(self) -> None:
+        """A new request (estimates are per request already)."""
+
+    def choose_draft(self, f: DraftFeatures) -> int:
+        """How many of the proposer's tokens to draft (0: decode plainly)."""
+        return self.choose_k(self.key_for(f), available=len(f.tokens))
+
+    def observe_step(self, f: Optional[DraftFeatures], k: int, n_accepted: int,
+                     emitted: Sequence[int], verify_ms: Optional[float] = None,
+                     propose_ms: float = 0.0) -> None:
+        """A verified step; a plain one (k = 0) still teaches what its proposal would have
+        scored. Timing is not used by this policy."""
+        if f is None:
+            return
+        if k:
+            self.observe(self.key_for(f), k, n_accepted)
+        elif emitted and len(f.tokens):
+            self.observe(self.key_for(f), 1, int(f.tokens[0] == emitted[0]))
 
     def observe(self, source: str, n_drafted: int, n_accepted: int) -> None:
         """Record a verified step: the first n_accepted drafts passed, the next one (if any) failed."""

@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .acceptance import DraftFeatures
 from .calibrate import load_or_measure
 from .llama import Context, ContextParams, Model
 from .ngram import NGRAM_MAX, NGRAM_TIE, SOURCE_DOCUMENT, NgramIndex
@@ -32,6 +33,8 @@ class Proposal:
     source: str                       # "history" | "document" | "draft"
     shadow: Optional[int] = None      # k == 0 but a guess exists: the policy may learn from it
     key: str = ""                     # the policy's acceptance-estimate key ("" = source)
+    features: Optional[DraftFeatures] = None  # what the proposer knew (n-gram): the policy's
+                                              # observe_step() wants it back after verify
 
     @property
     def policy_key(self) -> str:
@@ -78,17 +81,10 @@ class NgramProposer(Proposer):
 
     name = "ngram"
 
-    KEY_LENGTHS = 4    # match lengths 1, 2, 3 and 4+ are learned apart
-
-    def __init__(self, ngram_min: int = 1, ngram_max: int = NGRAM_MAX, tie: str = NGRAM_TIE):
+    def __init__(self, ngram_min: int = 1, ngram_max: int = NGRAM_MAX, tie: str = NGRAM_TIE,
+                 token_classes=None):
         self._index = NgramIndex(ngram_min=ngram_min, ngram_max=ngram_max, tie=tie)
-
-    def policy_key(self, source: str, ngram_len: int) -> str:
-        """Acceptance is learned per source and matched-suffix length: a one-token match in
-        prose is a coin toss, a four-token one in copied code is nearly certain. Measured on the
-        workloads' plain outputs: first-draft acceptance 0.38 / 0.55 / 0.65 / 0.69 for summary
-        matches of length 1 / 2 / 3 / 4, and 0.24 / 0.63 / 0.82 / 0.94 for code edits."""
-        return f"{source}:{min(ngram_len, self.KEY_LENGTHS)}"
+        self._classes = token_classes      # acceptance.TokenClasses, or None
 
     def begin(self, history: Sequence[int], document: Optional[Sequence[int]] = None,
               sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
@@ -96,16 +92,28 @@ class NgramProposer(Proposer):
         self._index.append(list(history))
         self._index.set_document(list(document) if document else None)
 
-    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
-        m = self._index.propose(min(policy.config.k_max, room))
+    def features(self, room: int, k_max: int) -> Optional[DraftFeatures]:
+        """The continuation the matcher offers now, with its occurrence support; None: no match."""
+        m = self._index.propose(min(k_max, room))
         if len(m.tokens) == 0:
-            return EMPTY
+            return None
+        n_occ, agree = self._index.support(m)
         source = "document" if m.source == SOURCE_DOCUMENT else "history"
-        key = self.policy_key(source, m.ngram_len)
-        k = policy.choose_k(key, available=len(m.tokens))
+        tokens = m.tokens.tolist()
+        breaks = self._classes(tokens) if self._classes is not None else None
+        return DraftFeatures(tokens, source, m.ngram_len, n_occ, agree.tolist(), breaks)
+
+    def propose(self, policy, room: int) -> Proposal:
+        """policy: anything with config.k_max and choose_draft(DraftFeatures) -> k
+        (policy.DraftPolicy, adaptive.AdaptivePolicy)."""
+        f = self.features(room, policy.config.k_max)
+        if f is None:
+            return EMPTY
+        k = policy.choose_draft(f)
+        key = DraftPolicy.key_for(f)
         if k == 0:
-            return Proposal([], None, source, shadow=int(m.tokens[0]), key=key)
-        return Proposal([int(t) for t in m.tokens[:k]], None, source, key=key)
+            return Proposal([], None, f.source, shadow=int(f.tokens[0]), key=key, features=f)
+        return Proposal(list(f.tokens[:k]), None, f.source, key=key, features=f)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self._index.append(list(tokens))

@@ -81,11 +81,24 @@ def record(path: str, threads: int = 2, exact: bool = False, cases: Optional[lis
             prompt = eng.tokenize_prompt(case.messages())
             trace = greedy_trace(eng.ctx, prompt, case.max_tokens, eng.model.is_eog)
             data["cases"][case.id] = {"kind": case.kind, "prompt": prompt, "load": load, **trace}
+            data["token_class"] = token_class_map(data, eng.model.token_piece)
             _save(path, data)
             say(f"{case.id}: {len(trace['out'])} tokens, "
                 f"median step {np.median(trace['step_ms'][1:] or [0]):.1f} ms, "
                 f"load {load:.2f} -> {os.getloadavg()[0]:.2f}")
     return data
+
+
+def token_class_map(data: dict, piece: Callable[[int], bytes]) -> dict:
+    """{token id: acceptance.token_class} for every id in the recording that is not PLAIN:
+    what the replay needs to build the draft features the engine gets from the vocabulary."""
+    from .acceptance import PLAIN, token_class
+    ids = set()
+    for c in data["cases"].values():
+        ids.update(c["prompt"])
+        ids.update(c["out"])
+    classes = {t: token_class(piece(t)) for t in sorted(ids)}
+    return {str(t): c for t, c in classes.items() if c != PLAIN}
 
 
 def _by_turns(cases: list) -> list:

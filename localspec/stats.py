@@ -24,6 +24,7 @@ class GenerationStats:
     accepted: int = 0
     step_tokens: int = 0             # tokens the steps emitted (an EOS included)
     rechecks: int = 0                # near-ties re-decided by a one-token decode (not exact mode)
+    pauses: int = 0                  # times the regret guard turned drafting off (not paying)
     drafted_by_pos: list = field(default_factory=list)    # [i] drafts evaluated at position i
     accepted_by_pos: list = field(default_factory=list)   # [i] of those, accepted
     drafted_by_source: dict = field(default_factory=dict)
@@ -86,7 +87,7 @@ class GenerationStats:
         """Add another request's counters into this one (session totals)."""
         for name in ("prompt_tokens", "prefill_tokens", "reused_tokens", "generated_tokens",
                      "steps", "spec_steps", "drafted", "accepted", "step_tokens", "rechecks",
-                     "prefill_ms", "restore_ms", "propose_ms", "verify_ms", "sample_ms",
+                     "pauses", "prefill_ms", "restore_ms", "propose_ms", "verify_ms", "sample_ms",
                      "total_ms"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_by_pos, other.drafted_by_pos),
@@ -124,4 +125,5 @@ class GenerationStats:
                 + (f" [{by_src}]" if by_src else "")
                 + f", {self.mean_accepted_len:.2f} tokens/step"
                 + (f", {self.rechecks} near-ties re-decided" if self.rechecks else "")
+                + (f", drafting paused {self.pauses}x (not paying)" if self.pauses else "")
                 + f"; stop: {self.stop_reason}")

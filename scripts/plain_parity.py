@@ -40,7 +40,7 @@ def main() -> None:
         gen.complete()
         rates["localspec"].append(gen.stats.decode_tokens_per_s)
         peer.reset()
-        t0, first, n = time.perf_counter(), None, 0
+        first, n = None, 0
         for chunk in peer.create_completion(prompt, max_tokens=a.tokens, temperature=0.0,
                                             repeat_penalty=1.0, stream=True):
             n += 1

@@ -1,116 +1,143 @@
-"""Replay plain greedy outputs through the n-gram proposer and a draft policy, offline.
+"""Design tool for the draft policy: record plain greedy outputs with the features the acceptance
+model needs, fit its prior, and replay policies offline against any cost curve.
 
-Greedy speculation emits exactly plain decoding's tokens, so once the plain outputs of the
-workloads are recorded, every proposer setting and policy can be scored without the model:
-each step asks the policy for k, counts how many drafted tokens match the recorded output,
-and charges r(k) from a cost curve. The score is plain steps / speculative steps, i.e. the
-speedup in decode-time units (no Python overhead, no noise). It also prints an upper bound
-that knows the future (draft exactly the matching run, or nothing).
+    python scripts/policy_replay.py record out.json [--threads 2] [--exact]   # ~15-30 min
+    python scripts/policy_replay.py replay out.json [--curve epyc|xeon|cached|1,1.5,...]
+           [--prior-curve ...] [--policies old,new] [--cv]
+    python scripts/policy_replay.py fit out.json [--folds 2]
 
-    python scripts/policy_replay.py record out.json [--threads 2] [--exact]   # ~15 min, 2 cores
-    python scripts/policy_replay.py replay out.json [--curve 1,1.58,1.75,...]
-
-`record` runs plain greedy decoding of every workload case (each case's own max_tokens);
-`replay` defaults to the cost curve cached by `localspec calibrate` for the default model.
+Greedy speculation emits plain decoding's tokens, so every step can be scored without the model
+(localspec/replay.py says how). `replay` prints, per kind, each policy's speedup over plain in
+decode-time units (geometric mean, worst case), the future-knowing bound, the fraction of it each
+policy takes, and how often a policy drafted in cases whose bound is under 1.05x.
+`--prior-curve` is what the policies believe (the cached calibration), `--curve` what steps
+really cost; `--cv` replays each case with an acceptance prior fitted on the other fold.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
+import time
 from collections import defaultdict
 
-from localspec.ngram import NgramIndex
+from localspec import replay as rp
+from localspec.acceptance import FEATURES, AcceptanceConfig
+from localspec.adaptive import AdaptiveConfig, AdaptivePolicy
+from localspec.costmodel import CostConfig, CostModel
 from localspec.policy import DraftPolicy, PolicyConfig
 
-KEY_LENGTHS = 4
+CURVES = {  # DESIGN.md "The cost model"; Qwen2.5-Coder-1.5B Q4_K_M, 2 threads
+    "epyc": rp.extend_curve([1, 1.48, 1.96, 2.22, 2.68], 16, {8: 5.9, 16: 8.4}),
+    "xeon": rp.extend_curve([1, 1.55, 1.75, 1.75, 2.2], 16, {8: 3.0, 16: 3.9}),
+}
+PROPOSE_COST = 0.002   # proposer + policy per step, in plain-step units (measured: see --time)
 
 
-def record(path: str, threads: int, exact: bool) -> None:
-    from localspec.bench import load_workloads
-    from localspec.calibrate import load_or_measure
-    from localspec.engine import Engine, EngineConfig
-
-    out = {}
-    with Engine("default", EngineConfig(proposer="none", exact=exact, n_threads=threads)) as eng:
-        curve = load_or_measure(eng.ctx, 0, 16)
-        for case in load_workloads():
-            eng.reset()
-            gen = eng.generate(case.messages(), max_tokens=case.max_tokens)
-            out[case.id] = {"kind": case.kind, "prompt": eng.tokenize_prompt(case.messages()),
-                            "out": gen.complete_tokens()}
-            print(f"{case.id}: {len(out[case.id]['out'])} tokens", file=sys.stderr)
-    with open(path, "w") as f:
-        json.dump({"curve": list(curve.ratios), "cases": out}, f)
+def parse_curve(text, data):
+    if text in (None, "cached"):
+        return list(data["curve"])
+    if text in CURVES:
+        return CURVES[text]
+    return rp.extend_curve([float(x) for x in text.split(",")], 16)
 
 
-def replay_case(prompt, out, curve, ngram_max, tie, key_lengths):
-    """Speedup of one case in decode-step units under DraftPolicy; acceptance is keyed by match
-    length 1..key_lengths (0: one estimate for every match)."""
-    pol = DraftPolicy(curve, PolicyConfig())
-    with NgramIndex(ngram_min=1, ngram_max=ngram_max, tie=tie) as idx:
-        idx.append(prompt + out[:1])
-        t, cost, n = 1, 0.0, len(out)
-        while t < n:
-            m = idx.propose(min(16, n - t))
-            toks = m.tokens.tolist()
-            key = f"history:{min(m.ngram_len, key_lengths)}" if key_lengths else "history"
-            k = pol.choose_k(key, available=len(toks)) if toks else 0
-            run = 0
-            while run < len(toks) and t + run < n and toks[run] == out[t + run]:
-                run += 1
-            if k:
-                acc = min(k, run)
-                pol.observe(key, k, acc)
-            elif toks:
-                acc = 0
-                pol.observe(key, 1, int(run > 0))
-            else:
-                acc = 0
-            step = min(acc + 1, n - t)
-            idx.append(out[t:t + step])
-            t, cost = t + step, cost + curve[k]
-    return (n - 1) / cost if cost else 1.0
+def make_policies(names, prior, weights=None):
+    acc = AcceptanceConfig(weights=tuple(weights)) if weights is not None else AcceptanceConfig()
+    makers = {
+        "old": lambda: DraftPolicy(prior, PolicyConfig()),
+        "new": lambda: AdaptivePolicy(CostModel(prior, rp.BASE_MS, CostConfig()),
+                                      AdaptiveConfig(acceptance=acc)),
+        "new-fixed-cost": lambda: AdaptivePolicy(
+            CostModel(prior, rp.BASE_MS, CostConfig(online=False)), AdaptiveConfig(acceptance=acc)),
+    }
+    return {n: makers[n] for n in names}
 
 
-def bound_case(prompt, out, curve, ngram_max, tie):
-    """Knowing the future: draft exactly the matching run when that beats a plain step."""
-    with NgramIndex(ngram_min=1, ngram_max=ngram_max, tie=tie) as idx:
-        idx.append(prompt + out[:1])
-        t, cost, n = 1, 0.0, len(out)
-        while t < n:
-            toks = idx.propose(min(16, n - t)).tokens.tolist()
-            run = 0
-            while run < len(toks) and t + run < n and toks[run] == out[t + run]:
-                run += 1
-            k = run if run and (run + 1) / curve[run] > 1.0 else 0
-            step = min(k + 1, n - t)
-            idx.append(out[t:t + step])
-            t, cost = t + step, cost + curve[k]
-    return (n - 1) / cost
+def fold_weights(cases, folds):
+    """Acceptance priors fitted on all cases but fold f, for each f (case i of a kind is in fold
+    i % folds); with folds == 1, one prior fitted on everything."""
+    rows = {c.id: rp.training_rows(c) for c in cases}
+    fold_of, seen = {}, defaultdict(int)
+    for c in cases:
+        fold_of[c.id] = seen[c.kind] % folds
+        seen[c.kind] += 1
+    weights = {f: rp.fit_prior([rows[c.id] for c in cases if fold_of[c.id] != f or folds == 1])
+               for f in range(folds)}
+    return weights, fold_of, rows
 
 
-def geomean(xs):
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+def replay(a) -> None:
+    data = json.load(open(a.path))
+    cases = rp.load(a.path)
+    curve = parse_curve(a.curve, data)
+    prior = parse_curve(a.prior_curve, data) if a.prior_curve else curve
+    names = a.policies.split(",")
+    print(f"true cost r(k):  {', '.join(f'{r:.2f}' for r in curve)}")
+    if prior != curve:
+        print(f"policy's prior:  {', '.join(f'{r:.2f}' for r in prior)}")
+    cv = fold_weights(cases, 2) if a.cv else None
+    scores = defaultdict(lambda: defaultdict(list))    # name -> kind -> [(case, score)]
+    bounds = defaultdict(list)
+    t0 = time.perf_counter()
+    for c in cases:
+        w = cv[0][cv[1][c.id]] if cv else None
+        b = rp.bound_case(c, curve, tie_margin=a.tie_margin)
+        bounds[c.kind].append((c, b))
+        for name, make in make_policies(names, prior, w).items():
+            s = rp.replay_case(c, make, curve, propose_cost=a.propose_cost,
+                               tie_margin=a.tie_margin)
+            scores[name][c.kind].append((c, s))
+    print_table(names, scores, bounds)
+    print(f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
 
 
-def replay(path: str, curve_text: str | None) -> None:
-    data = json.load(open(path))
-    curve = [float(x) for x in curve_text.split(",")] if curve_text else data["curve"]
-    settings = [("up to 4, recent, one estimate", 4, "recent", 0),
-                ("up to 4, recent, keyed by length", 4, "recent", KEY_LENGTHS),
-                ("up to 8, earliest, keyed by length", 8, "earliest", KEY_LENGTHS)]
-    print(f"cost curve r(k): {', '.join(f'{r:.2f}' for r in curve)}")
-    for name, ngram_max, tie, keyed in settings + [("future-knowing bound", 8, "earliest", None)]:
-        by_kind = defaultdict(list)
-        for case in data["cases"].values():
-            args = (case["prompt"], case["out"], curve, ngram_max, tie)
-            by_kind[case["kind"]].append(bound_case(*args) if keyed is None
-                                         else replay_case(*args, keyed))
-        print(f"{name:36s}" + "  ".join(f"{k}: {geomean(v):.2f}x (worst {min(v):.2f})"
-                                       for k, v in by_kind.items()))
+def print_table(names, scores, bounds) -> None:
+    kinds = list(bounds)
+    head = f"{'policy':16s}" + "".join(f"{k:>30s}" for k in kinds)
+    print(head)
+    bound_by_kind = {k: rp.geomean([b for _, b in bounds[k]]) for k in kinds}
+    for name in names + ["bound"]:
+        cells = []
+        for k in kinds:
+            if name == "bound":
+                xs = [b for _, b in bounds[k]]
+                cells.append(f"{rp.geomean(xs):.3f}x (worst {min(xs):.3f})")
+                continue
+            xs = [s.speedup for _, s in scores[name][k]]
+            frac = rp.geomean(xs) / bound_by_kind[k]
+            cells.append(f"{rp.geomean(xs):.3f}x {100 * frac:3.0f}% (w {min(xs):.3f})")
+        print(f"{name:16s}" + "".join(f"{c:>30s}" for c in cells))
+    for name in names:   # drafting where the future-knowing bound says there is ~nothing
+        low = [(s, b) for k in kinds for (c, s), (_, b) in zip(scores[name][k], bounds[k])
+               if b < 1.05]
+        if low:
+            steps = sum(s.steps for s, _ in low)
+            spec = sum(s.spec_steps for s, _ in low)
+            print(f"{name}: {len(low)} cases with bound < 1.05x: drafted in {spec} of {steps} "
+                  f"steps ({100 * spec / max(1, steps):.1f}%)")
+
+
+def fit(a) -> None:
+    import numpy as np
+    cases = rp.load(a.path)
+    weights, fold_of, rows = fold_weights(cases, a.folds)
+    for f, w in weights.items():
+        if a.folds == 1:
+            break
+        test = [rows[c.id] for c in cases if fold_of[c.id] == f]
+        X = np.vstack([x for x, _, _ in test])
+        y = np.concatenate([y for _, y, _ in test])
+        rate = np.r_[np.log(y.mean() / (1 - y.mean())), np.zeros(len(w) - 1)]
+        print(f"fold {f}: held-out log loss {rp.log_loss(X, y, w):.4f} "
+              f"(a constant rate: {rp.log_loss(X, y, rate):.4f})")
+    w = rp.fit_prior(list(rows.values()))
+    y = np.concatenate([y for _, y, _ in rows.values()])
+    print(f"all cases: {len(y)} rows, acceptance {y.mean():.3f}")
+    for name, v in zip(FEATURES, w):
+        print(f"  {name:14s} {v:+.3f}")
+    print("PRIOR_WEIGHTS = (" + ", ".join(f"{v:.3f}" for v in w) + ")")
 
 
 def main() -> None:
@@ -122,12 +149,23 @@ def main() -> None:
     rec.add_argument("--exact", action="store_true")
     rep = sub.add_parser("replay")
     rep.add_argument("path")
-    rep.add_argument("--curve")
+    rep.add_argument("--curve", help="epyc, xeon, cached (the recording's) or r(1),r(2),...")
+    rep.add_argument("--prior-curve")
+    rep.add_argument("--policies", default="old,new")
+    rep.add_argument("--propose-cost", type=float, default=PROPOSE_COST)
+    rep.add_argument("--tie-margin", type=float, default=0.25)
+    rep.add_argument("--cv", action="store_true")
+    ft = sub.add_parser("fit")
+    ft.add_argument("path")
+    ft.add_argument("--folds", type=int, default=2)
     a = ap.parse_args()
     if a.cmd == "record":
+        from localspec.replay_record import record
         record(a.path, a.threads, a.exact)
+    elif a.cmd == "replay":
+        replay(a)
     else:
-        replay(a.path, a.curve)
+        fit(a)
 
 
 if __name__ == "__main__":

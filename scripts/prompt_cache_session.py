@@ -16,6 +16,7 @@ import argparse
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -158,6 +159,8 @@ def main() -> None:
         home = Path(tmp)
         calib = Path(os.environ.get("LOCALSPEC_HOME", Path.home() / ".cache/localspec"))
         (home / "models").symlink_to(calib / "models")    # the pulled models, not a new pull
+        if (calib / "calibration").is_dir():               # the cached cost curves: no re-timing
+            shutil.copytree(calib / "calibration", home / "calibration")
         result = {"load_before": os.getloadavg(), "editor": editor_session(a, home)}
         result["chat"] = resume_vs_reread(a, home)
         result["load_after"] = os.getloadavg()

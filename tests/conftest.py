@@ -12,6 +12,24 @@ os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 from tinymodel import make_tiny_gguf
 
+# LOCALSPEC_TEST_GPU_LAYERS=-1 runs the suite with every model offloaded (a CUDA build on a GPU
+# machine, scripts/gpu_run.sh): Models loaded with the default of 0 layers get this many instead.
+# Unset (CI), nothing changes.
+if os.environ.get("LOCALSPEC_TEST_GPU_LAYERS"):
+    import dataclasses
+
+    from localspec import llama as _llama
+
+    _load = _llama.Model.__init__
+
+    def _offloaded(self, path, params=_llama.ModelParams()):
+        if params.n_gpu_layers == 0:
+            params = dataclasses.replace(
+                params, n_gpu_layers=int(os.environ["LOCALSPEC_TEST_GPU_LAYERS"]))
+        _load(self, path, params)
+
+    _llama.Model.__init__ = _offloaded
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):

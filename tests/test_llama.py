@@ -10,7 +10,7 @@ import pytest
 
 from localspec.engine import Engine, EngineConfig
 from localspec.errors import LocalspecError
-from localspec.llama import Context, ContextParams, Model
+from localspec.llama import Context, ContextParams
 from localspec.sampling import SamplingParams
 
 ONE_THREAD = ContextParams(n_ctx=512, n_threads=1)

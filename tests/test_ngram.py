@@ -101,7 +101,7 @@ def test_support_counts_occurrences_and_agreeing_continuations():
     idx.append([8])                                           # "1 8": no match at all
     m = idx.propose(3)
     assert m.ngram_len == 0 and idx.support(m)[0] == 0
-    doc_idx = NgramIndex(ngram_min=1, ngram_max=2)
+    doc_idx = NgramIndex(ngram_min=1, ngram_max=2, tie=TIE_RECENT)
     doc_idx.append([4, 4])
     doc_idx.set_document([7, 4, 4, 1, 4, 4, 1, 4, 4, 2])     # "4 4" in the document: 3 times
     m = doc_idx.propose(2)

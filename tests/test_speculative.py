@@ -3,7 +3,6 @@ and the sampled distribution (chi-square against exact probabilities from one-to
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from localspec.buildflags import choose, exact_cmake_args
+from localspec.buildflags import choose, cuda_arch_of, exact_cmake_args
 from localspec.policy import DraftPolicy, PolicyConfig, expected_tokens
 from localspec.sampling import (Dist, PositionStream, SamplingParams, apply_penalty, draw,
                                 target_dist)
@@ -164,3 +164,14 @@ def test_default_build_keeps_llamafile_and_the_exact_copy_differs_only_there():
     exact = exact_cmake_args(args + ["-DGGML_LLAMAFILE=ON"])  # a user's CMAKE_ARGS cannot undo it
     assert exact[-1] == "-DGGML_LLAMAFILE=OFF" and sum("LLAMAFILE" in a for a in exact) == 1
     assert [a for a in exact if "LLAMAFILE" not in a] == [a for a in args if "LLAMAFILE" not in a]
+
+
+def test_build_flags_cuda_builds_for_the_gpu_it_finds():
+    # ggml's default with GGML_NATIVE=OFF is seven architectures; one is what a 10-minute build
+    # on the lent H100 affords, and what a laptop GPU needs.
+    args, why = choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=True, cuda_arch="90")
+    assert args[-2:] == ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"]
+    assert "-DCMAKE_CUDA_ARCHITECTURES=native" in choose("Linux", "x86_64", "", True, True)[0]
+    assert not any("CUDA" in a for a in choose("Linux", "x86_64", "", True, True, "0", "90")[0])
+    assert cuda_arch_of("9.0\n9.0\n") == "90" and cuda_arch_of("8.9\n8.6") == "86;89"
+    assert cuda_arch_of("") == "" and cuda_arch_of("[N/A]") == ""

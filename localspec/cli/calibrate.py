@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ..calibrate import load_or_measure
+from ..costmodel import stability_line
 from .options import COMMAND, model_options, open_engine
 
 
@@ -16,10 +17,14 @@ def calibrate(**kw):
     r(k) is the time of one batched decode of k+1 tokens over a one-token decode; the adaptive
     policy drafts k tokens only where E(k)/r(k) beats plain decoding. It is measured once per
     model/device/threads on first use; run this on a quiet machine if that first run was noisy.
+    The last line says how well the measurement rounds agreed: a NOISY curve (rounds more than
+    8% apart) is measured up to three times here, and re-measured on later runs; while
+    speculating, the engine also refines r(k) from the timing of every step.
     """
     with open_engine({**kw, "proposer": "none"}) as engine:
-        curve = load_or_measure(engine.ctx, engine.config.n_gpu_layers, force=True,
+        curve = load_or_measure(engine.ctx, engine.config.n_gpu_layers, force=True, attempts=3,
                                 progress=lambda m: click.echo(m, err=True))
     click.echo(f"one-token decode: {curve.ms_per_step:.1f} ms")
     click.echo("k:    " + " ".join(f"{k:>5}" for k in range(len(curve.ratios))))
     click.echo("r(k): " + " ".join(f"{r:5.2f}" for r in curve.ratios))
+    click.echo(stability_line(curve.notes["stability"]))

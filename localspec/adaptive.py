@@ -1,0 +1,166 @@
+"""The per-request draft policy: predicted acceptance per position (acceptance.py) against the
+learned verify cost (costmodel.py) picks k, and a regret guard turns speculation off for a while
+when the request's speculative steps realise fewer tokens per millisecond than plain ones.
+
+k = argmax over 1..n of E(k) / r(k), E(k) = 1 + p_0 + p_0 p_1 + ...; 0 (plain) unless the best
+beats `min_gain`. The cost model may be shared by every request of one engine (it learns the
+machine); the acceptance model and the guard belong to one request (they learn the text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .acceptance import (AcceptanceConfig, AcceptanceModel, DraftFeatures, RequestState,
+                         expected_by_k)
+from .costmodel import CostModel
+from .policy import DraftPolicy
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    decay: float = 0.85           # per speculative step: the guard judges the last ~7
+    min_steps: int = 6            # speculative steps before the first judgement
+    threshold: float = 0.9        # realised gain under this: back off (the acceptance model
+                                  # is trusted near break-even; the guard catches a bad prior)
+    backoff: int = 24             # plain steps before speculating again; doubles per failure
+    backoff_max: int = 384
+
+
+class RegretGuard:
+    """Realised gain = tokens the speculative steps emitted x (what one plain step costs now) /
+    (what they cost), over a decayed window. Below `threshold` after `min_steps`: plain decoding
+    for `backoff` steps, then a probe (a fresh window); a failed probe doubles the backoff, a
+    good window resets it.
+
+    >>> g = RegretGuard()
+    >>> for step in range(10):
+    ...     if g.allows():
+    ...         g.speculative(n_emitted=1, ms=150.0, plain_ms=60.0)   # nothing accepted
+    ...     else:
+    ...         g.plain()
+    >>> g.allows(), g.n_backoffs
+    (False, 1)
+    """
+
+    def __init__(self, config: GuardConfig = GuardConfig()):
+        self.config = config
+        self._gain_num = self._gain_den = 0.0
+        self._steps = 0
+        self._off = 0                       # plain steps left before the next probe
+        self._backoff = config.backoff
+        self.n_backoffs = 0
+
+    def allows(self) -> bool:
+        return self._off == 0
+
+    @property
+    def gain(self) -> Optional[float]:
+        return self._gain_num / self._gain_den if self._gain_den > 0 else None
+
+    def speculative(self, n_emitted: int, ms: float, plain_ms: float) -> None:
+        """A step that drafted: it emitted n_emitted tokens in ms; a plain step costs plain_ms."""
+        c = self.config
+        self._gain_num = self._gain_num * c.decay + n_emitted * plain_ms
+        self._gain_den = self._gain_den * c.decay + ms
+        self._steps += 1
+        if self._steps < c.min_steps:
+            return
+        if self.gain < c.threshold:
+            self._off = self._backoff
+            self._backoff = min(2 * self._backoff, c.backoff_max)
+            self.n_backoffs += 1
+            self._gain_num = self._gain_den = 0.0
+            self._steps = 0
+        elif self._steps >= 2 * c.min_steps:
+            self._backoff = c.backoff        # a probe that pays: forget earlier failures
+
+    def plain(self) -> None:
+        """A step that did not draft."""
+        if self._off:
+            self._off -= 1
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    k_max: int = 16
+    fixed_k: Optional[int] = None  # set: always draft this many (no model, no guard)
+    min_gain: float = 1.0         # predicted speed over plain that a draft must beat
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+
+class AdaptivePolicy:
+    """One request's policy. The step calls, in order:
+    start() after prefill; per step the proposer calls choose_draft(features), then the
+    step calls observe_step(...) with what verification decided and what it cost."""
+
+    def __init__(self, cost: CostModel, config: AdaptiveConfig = AdaptiveConfig(),
+                 draft: Optional[DraftPolicy] = None):
+        self.cost = cost
+        self.config = config
+        # A draft model's proposals have none of the n-gram features: they keep the scalar
+        # acceptance estimate of policy.DraftPolicy (and its probes), on the prior cost curve.
+        self.draft = draft if draft is not None else DraftPolicy(cost.prior.tolist())
+        self.acceptance = AcceptanceModel(config.acceptance)
+        self.guard = RegretGuard(config.guard)
+        self.state = RequestState()
+        self._seen = (None, None)   # the last proposal predicted, and its base logits
+        self.n_drafting = 0         # steps that drafted (for reports)
+
+    def start(self) -> None:
+        """A new request: nothing is known about its text yet."""
+        self.state = RequestState()
+
+    def choose_k(self, source: str, available: Optional[int] = None, probe: bool = False) -> int:
+        """k for a draft model's proposal (DraftProposer asks before it drafts)."""
+        return self.draft.choose_k(source, available, probe)
+
+    def predict(self, f: DraftFeatures) -> np.ndarray:
+        n = min(len(f.tokens), self.config.k_max, self.cost.k_max)
+        base = self.acceptance.base_logits(f, n, self.state) if n > 0 else np.zeros(0)
+        self._seen = (f, base)          # observe_step() reuses it for the same proposal
+        return self.acceptance.predict(f, n, self.state, base)
+
+    def choose_draft(self, f: DraftFeatures) -> int:
+        if self.config.fixed_k is not None:
+            return max(0, min(self.config.fixed_k, len(f.tokens)))
+        p = self.predict(f)             # also when off: the plain step learns from it
+        if not self.guard.allows() or len(p) == 0:
+            return 0
+        gain = expected_by_k(p) / self.cost.ratio_array()[1:len(p) + 1]
+        k = int(np.argmax(gain))
+        return k + 1 if gain[k] > self.config.min_gain else 0
+
+    def observe_step(self, f: Optional[DraftFeatures], k: int, n_accepted: int,
+                     emitted: Sequence[int], verify_ms: Optional[float] = None,
+                     propose_ms: float = 0.0) -> None:
+        """f: the proposal's features (None: no match, or a forced plain re-decode); k drafted,
+        n_accepted of them passed the verifier, `emitted` the tokens the step produced (the
+        near-tie guard may cut them short, even to none); verify_ms the batch's decode time,
+        propose_ms the proposer's."""
+        plain_ms = self.cost.ms(0)     # before this step's timing moves it
+        if verify_ms is not None:
+            self.cost.observe(k, verify_ms)
+        if f is not None and len(f.tokens):
+            base = self._seen[1] if self._seen[0] is f else None
+            if k:
+                self.acceptance.observe(f, k, n_accepted, self.state, base)
+            elif emitted:             # not drafted: plain decoding says what it would have scored
+                self.acceptance.observe(f, 1, int(f.tokens[0] == emitted[0]), self.state, base)
+        if k:
+            self.n_drafting += 1
+            ms = (verify_ms if verify_ms is not None else self._model_ms(k)) + propose_ms
+            ref = plain_ms if plain_ms is not None else self._model_ms(0)
+            self.guard.speculative(len(emitted), ms, ref)
+        else:
+            self.guard.plain()
+        self.state.verified(f, k, n_accepted, emitted)
+
+    def _model_ms(self, k: int) -> float:
+        """Without timings (online off): the cost curve in plain-step units stands in for ms."""
+        ms = self.cost.ms(k)
+        return ms if ms is not None else self.cost.ratio(k)

@@ -1,0 +1,137 @@
+"""The GPU measurements of issue 16, in one process: cost curve, identity, draft cost.
+
+    python scripts/gpu_measure.py --target T.gguf [--draft D.gguf] [--also M.gguf ...]
+                                  [--gpu-layers -1] [--k-max 32] [--tokens 64] [--json out.json]
+
+- r(k) for k = 0..k_max of every model (calibrate.measure, best of 5 rounds), and which k the
+  policy picks on that curve at a given acceptance (it should draft long where r(k) is flat);
+- identity: greedy speculative output vs plain on the test suite's 20 prompts, with n-gram
+  drafting (adaptive policy) and with scripted drafts of k=8 that are all correct (every row of
+  every batch is used), divergences with their top-2 gap from a one-token decode;
+- the draft model's one-token decode in target steps, and whether the can-it-pay check keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from step_overhead import ScriptedProposer      # this folder is sys.path[0]
+
+from localspec.calibrate import measure
+from localspec.engine import Engine, EngineConfig
+from localspec.llama import Context, ContextParams, Model, ModelParams, system_info
+from localspec.policy import DraftPolicy, PolicyConfig
+from localspec.sampling import SamplingParams, top2_gap
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_speculative import PROMPTS  # noqa: E402  (the suite's 20 identity prompts)
+
+ACCEPTANCE = (0.5, 0.7, 0.8, 0.9, 0.95)
+
+
+def curve(path: str, layers: int, k_max: int, threads) -> dict:
+    with Model(path, ModelParams(n_gpu_layers=layers)) as model, \
+            Context(model, ContextParams(n_ctx=2048, n_threads=threads)) as ctx:
+        c = measure(ctx, k_max)
+    picks = {}
+    for cap in sorted({16, k_max}):
+        picks[cap] = {a: DraftPolicy(c.ratios, PolicyConfig(k_max=cap, prior_acceptance=a,
+                                                            prior_weight=1e9)).choose_k("x")
+                      for a in ACCEPTANCE}
+    return {"model": Path(path).name, "ms_per_step": round(c.ms_per_step, 3),
+            "ratios": list(c.ratios), "policy_k": picks}
+
+
+def first_divergence(a, b):
+    d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return d if d is not None or len(a) == len(b) else min(len(a), len(b))
+
+
+def identity(path: str, layers: int, n_tokens: int, threads) -> dict:
+    """Plain vs speculative greedy on PROMPTS, n-gram (adaptive) and scripted k=8 (all correct)."""
+    cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, n_gpu_layers=layers,
+                       cache_mb=0)      # no saved states: each run evaluates its prompt cold
+    out = {"model": Path(path).name, "prompts": len(PROMPTS)}
+    with Engine(path, cfg) as eng, \
+            Context(eng.model, ContextParams(2048, n_threads=threads)) as one:
+        ngram = eng.proposer
+        refs = []
+        for prompt in PROMPTS:
+            eng.reset()
+            gen = eng.generate(prompt, max_tokens=n_tokens, speculate=False)
+            refs.append(gen.complete_tokens())
+        for mode in ("ngram", "scripted-k8"):
+            same, diverged, rechecks, drafted, accepted = 0, [], 0, 0, 0
+            for prompt, ref in zip(PROMPTS, refs):
+                eng.proposer = ngram if mode == "ngram" else \
+                    ScriptedProposer(ref, "accept", eng.model.n_vocab)
+                policy = None if mode == "ngram" else PolicyConfig(fixed_k=8)
+                eng.reset()
+                gen = eng.generate(prompt, max_tokens=n_tokens, policy=policy)
+                toks = gen.complete_tokens()
+                st = gen.stats
+                rechecks, drafted, accepted = (rechecks + st.rechecks, drafted + st.drafted,
+                                               accepted + st.accepted)
+                d = first_divergence(ref, toks)
+                if d is None:
+                    same += 1
+                    continue
+                ctx_tokens = eng.tokenize_prompt(prompt) + ref[:d]
+                one.clear()          # the last token decoded alone, as in plain decoding
+                if len(ctx_tokens) > 1:
+                    one.decode(ctx_tokens[:-1], logits="none")
+                gap = top2_gap(one.decode(ctx_tokens[-1:])[0], SamplingParams())
+                diverged.append({"prompt": prompt, "at": d, "top2_gap": round(gap, 4)})
+            out[mode] = {"identical": same, "diverged": diverged, "rechecks": rechecks,
+                         "drafted": drafted, "accepted": accepted}
+        eng.proposer = ngram
+    return out
+
+
+def draft_cost(target: dict, draft_path: str, layers: int, threads) -> dict:
+    d = curve(draft_path, layers, 1, threads)
+    cost = d["ms_per_step"] / target["ms_per_step"]
+    keeps = DraftPolicy(target["ratios"], PolicyConfig(), cost).draft_can_pay()
+    return {"draft": d["model"], "draft_ms_per_step": d["ms_per_step"],
+            "cost_in_target_steps": round(cost, 3), "draft_can_pay": keeps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft")
+    ap.add_argument("--also", nargs="*", default=[], help="more models: curve + identity")
+    ap.add_argument("--gpu-layers", type=int, default=-1)
+    ap.add_argument("--k-max", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    res = {"system": system_info(), "gpu_layers": a.gpu_layers, "curves": [], "identity": []}
+    for path in [a.target, *a.also]:
+        t = time.perf_counter()
+        res["curves"].append(curve(path, a.gpu_layers, a.k_max, a.threads))
+        res["identity"].append(identity(path, a.gpu_layers, a.tokens, a.threads))
+        c, i = res["curves"][-1], res["identity"][-1]
+        print(f"{c['model']}: one-token decode {c['ms_per_step']:.2f} ms; r(k) "
+              + " ".join(f"{r:.2f}" for r in c["ratios"]), file=sys.stderr)
+        print(f"  policy k at acceptance {ACCEPTANCE}: {c['policy_k']}", file=sys.stderr)
+        for mode in ("ngram", "scripted-k8"):
+            m = i[mode]
+            print(f"  identity {mode}: {m['identical']}/{i['prompts']} identical, "
+                  f"{m['accepted']}/{m['drafted']} accepted, {m['rechecks']} rechecks, gaps at "
+                  f"divergence {[d['top2_gap'] for d in m['diverged']]} "
+                  f"({time.perf_counter() - t:.0f} s)", file=sys.stderr)
+    if a.draft:
+        res["draft"] = draft_cost(res["curves"][0], a.draft, a.gpu_layers, a.threads)
+        print(f"draft: {res['draft']}", file=sys.stderr)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""Per-step Python overhead of speculative decoding: time inside llama.cpp vs everything else.
+
+On a GPU a 1.5B decode step takes a few milliseconds, so what Python does around it (propose,
+batch setup, logits rows, sampler chain per row, verification, bookkeeping) becomes a large
+share. This drives the real engine with a fixed k and times it from outside: llama_decode and
+llama_get_logits (which waits for the GPU) are "device" time, everything else in a step is
+overhead. "engine" runs step.step; "prototype" runs fastpath.greedy_step in its place (same
+contract, one-pass greedy verification), everything around it being the engine's own code.
+A scripted proposer makes every step draft exactly k tokens:
+
+  accept   drafts the reference (plain greedy) output: every row is verified, k+1 tokens a step
+  reject   drafts a wrong first token: k+1 rows decoded, verification stops at row 0
+
+    python scripts/step_overhead.py MODEL.gguf [--ks 0,4,8,16] [--tokens 128] [--gpu-layers -1]
+    python scripts/step_overhead.py --tiny ...     # the test suite's tiny model (sub-ms decode)
+    ... --fast            also the prototype (fastpath.greedy_step), interleaved case by case
+    ... --profile N       cProfile a k=N accept run of each step; top functions by own time
+    ... --json out.json
+    python scripts/step_overhead.py --rows 151936 [--ks ...]   # verification alone, no model
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import localspec.engine
+from localspec import llama
+from localspec.engine import Engine, EngineConfig
+from localspec.fastpath import greedy_step, greedy_verify
+from localspec.policy import PolicyConfig
+from localspec.proposers import EMPTY, Proposal, Proposer
+from localspec.sampling import PositionStream, SamplingParams, target_dist
+from localspec.step import near_tie
+from localspec.verify import verify
+
+STEP = localspec.engine.step        # step.step, as the engine imported it
+
+PROMPTS = [
+    "Rewrite this function with type hints:\ndef add(a, b):\n    return a + b\n",
+    "Summarize in two sentences: speculative decoding drafts tokens cheaply and verifies them "
+    "in one batch, keeping only what the model agrees with.",
+]
+
+
+class ScriptedProposer(Proposer):
+    """Drafts exactly k tokens per step from a known continuation: the right ones ("accept") or
+    a wrong first token ("reject"). Same lifecycle as the real proposers."""
+
+    name = "scripted"
+
+    def __init__(self, reference: list, mode: str, n_vocab: int):
+        self.reference, self.mode, self.n_vocab, self.pos = reference, mode, n_vocab, 0
+
+    def begin(self, history, document=None, sampling=None, seed: int = 0) -> None:
+        self.pos = 0
+
+    def propose(self, policy, room: int) -> Proposal:
+        k = policy.choose_k("scripted", available=room)
+        drafts = self.reference[self.pos:self.pos + k]
+        if not drafts:
+            return EMPTY
+        if self.mode == "reject":
+            drafts = [(drafts[0] + 1) % self.n_vocab] + drafts[1:]
+        return Proposal(list(drafts), None, "scripted")
+
+    def accept(self, tokens) -> None:
+        self.pos += len(tokens)
+
+    def close(self) -> None:
+        pass
+
+
+class DeviceClock:
+    """Wraps llama_decode and llama_get_logits (through llama.py's handle on llama_cpp) and sums
+    the time spent inside them. On CUDA llama_decode may return before the GPU is done;
+    llama_get_logits synchronizes, so the two together are the device's share."""
+
+    NAMES = ("llama_decode", "llama_get_logits")
+
+    def __init__(self):
+        self.seconds, self.calls, self._saved = 0.0, 0, {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            real = getattr(llama.C, name)
+            self._saved[name] = real
+            setattr(llama.C, name, self._timed(real))
+        return self
+
+    def _timed(self, real):
+        def call(*args):
+            t = time.perf_counter()
+            try:
+                return real(*args)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+        return call
+
+    def __exit__(self, *exc):
+        for name, real in self._saved.items():
+            setattr(llama.C, name, real)
+
+
+def timed_steps(engine: Engine, clock: DeviceClock) -> list:
+    """Replace engine._step (this instance only) with a wrapper that records, per step, its wall
+    time, the device time inside it, the stats' propose/verify/sample deltas, and the loop time
+    since the previous step returned."""
+    samples, last = [], {"end": None}
+    inner = engine._step
+
+    def wrapped(req):
+        st = req.stats
+        before = (st.propose_ms, st.verify_ms, st.sample_ms)
+        d0, t0 = clock.seconds, time.perf_counter()
+        out = inner(req)
+        t1 = time.perf_counter()
+        device = 1000 * (clock.seconds - d0)
+        wall = 1000 * (t1 - t0)
+        loop = 1000 * (t0 - last["end"]) if last["end"] is not None else 0.0
+        last["end"] = t1
+        samples.append({"device_ms": device, "overhead_ms": wall - device + loop,
+                        "propose_ms": st.propose_ms - before[0],
+                        "decode_python_ms": st.verify_ms - before[1] - device,
+                        "verify_sample_ms": st.sample_ms - before[2], "loop_ms": loop,
+                        "emitted": len(out)})
+        return out
+    engine._step = wrapped
+    return samples
+
+
+def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
+    """One generation at fixed k: its per-step samples (ms), identity and tokens per step."""
+    if k:
+        engine.proposer = ScriptedProposer(reference, mode, engine.model.n_vocab)
+    # Engine._step calls the module-level name `step`: the prototype goes in there, for this
+    # generation only, so propose, bookkeeping and the loop stay the engine's own.
+    localspec.engine.step = greedy_step if fast else STEP
+    prof = cProfile.Profile() if profile else None
+    try:
+        with DeviceClock() as clock:
+            samples = timed_steps(engine, clock)
+            engine.reset()
+            gen = engine.generate(prompt, sampling, max_tokens=len(reference), speculate=k > 0,
+                                  policy=PolicyConfig(k_max=max(k, 1), fixed_k=k))
+            if prof:
+                prof.enable()
+            tokens = gen.complete_tokens()
+            if prof:
+                prof.disable()
+    finally:
+        engine.__dict__.pop("_step", None)
+        localspec.engine.step = STEP
+    return samples, tokens == reference, prof
+
+
+def engine_verify(rows, drafts, sampling, recent, margin):
+    """What step.step does after the decode for greedy point-mass drafts: verify() over
+    target_dist() rows, then near_tie() over top2_gap() rows."""
+    verdict = verify(drafts, None, lambda i: target_dist(rows[i], sampling, recent + drafts[:i]),
+                     PositionStream(1), t0=0)
+    if drafts:
+        near_tie(rows, verdict.n_accepted, sampling, recent, drafts, margin)
+    return verdict
+
+
+def bench_rows(n_vocab: int, ks, penalty: float, reps: int = 200) -> list:
+    """Verification alone on random rows [k + 1, n_vocab]: the engine's per-row path vs
+    fastpath.greedy_verify, drafts all accepted or the first rejected. Best of `reps`, in ms."""
+    rng = np.random.default_rng(0)
+    sampling = SamplingParams(temperature=0.0, repeat_penalty=penalty)
+    recent = [int(t) for t in rng.integers(0, n_vocab, 64)] if penalty != 1.0 else []
+    out = []
+    for k in ks:
+        rows = (rng.standard_normal((k + 1, n_vocab)) * 4).astype(np.float32)
+        good = [int(np.argmax(r)) for r in rows[:k]]
+        for mode, drafts in (("accept", good), ("reject", [(good[0] + 1) % n_vocab] + good[1:]
+                                                  if k else [])):
+            times = {"engine": float("inf"), "prototype": float("inf")}
+            for _ in range(reps):
+                for name in times:
+                    work = rows.copy()           # the prototype penalises in place
+                    t = time.perf_counter()
+                    (engine_verify if name == "engine" else greedy_verify)(
+                        work, drafts, sampling, recent, 0.25)
+                    times[name] = min(times[name], time.perf_counter() - t)
+            out.append({"k": k, "mode": mode, **{n: 1000 * v for n, v in times.items()}})
+            if k == 0:
+                break
+    return out
+
+
+def tiny_model(folder: Path) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tinymodel import make_tiny_gguf
+    return make_tiny_gguf(folder / "tiny.gguf", seed=0, logit_scale=3.0)
+
+
+def summarize(samples: list, identical: bool) -> dict:
+    """Median of each per-step column over every step of every run: a shared machine preempts
+    the process now and then, and a median ignores those steps where a mean would not."""
+    out = {key: statistics.median(x[key] for x in samples) for key in samples[0]
+           if key != "emitted"}
+    out.update(steps=len(samples), identical=identical,
+               tokens_per_step=sum(x["emitted"] for x in samples) / len(samples))
+    return out
+
+
+def measure(model: str, ks, n_tokens, gpu_layers, threads, penalty, steps, profile_k, reps):
+    """Rows per (step, k, mode); with both steps, each case runs with one then the other, so
+    the two see the same machine state (interleaved in one process)."""
+    sampling = SamplingParams(temperature=0.0, repeat_penalty=penalty)
+    cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, n_gpu_layers=gpu_layers,
+                       cache_mb=0, policy=PolicyConfig(k_max=max(max(ks), 1)))
+    rows, profiles = [], {}
+    with Engine(model, cfg) as engine:
+        ngram = engine.proposer                  # put back before close, which closes it
+        refs = [engine.generate(p, sampling, max_tokens=n_tokens, speculate=False)
+                .complete_tokens() for p in PROMPTS]
+        for k in ks:
+            for mode in (("plain",) if k == 0 else ("accept", "reject")):
+                samples = {step: [] for step in steps}
+                same = {step: True for step in steps}
+                for _ in range(reps):
+                    for prompt, ref in zip(PROMPTS, refs):
+                        for step in steps:
+                            want = profile_k == k and mode == "accept" and step not in profiles
+                            got, identical, prof = run_case(engine, prompt, ref, k, mode,
+                                                            sampling, step == "prototype", want)
+                            samples[step] += got
+                            same[step] &= identical
+                            if prof:
+                                out = io.StringIO()
+                                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+                                profiles[step] = out.getvalue()
+                rows += [{"step": step, "k": k, "mode": mode,
+                          **summarize(samples[step], same[step])} for step in steps]
+        engine.proposer = ngram
+    return rows, profiles
+
+
+def report(rows, label: str) -> None:
+    print(f"# {label}")
+    print(f"{'step':9} {'k':>3} {'mode':7} {'tok/step':>8} {'device':>8} {'overhead':>8} "
+          f"{'propose':>8} {'decode.py':>9} {'verify':>8} {'loop':>7}  share of 3 / 5 ms  same")
+    for r in rows:
+        share = [r["overhead_ms"] / (g + r["overhead_ms"]) for g in (3.0, 5.0)]
+        print(f"{r['step']:9} {r['k']:>3} {r['mode']:7} {r['tokens_per_step']:8.2f} "
+              f"{r['device_ms']:8.3f} {r['overhead_ms']:8.3f} {r['propose_ms']:8.3f} "
+              f"{r['decode_python_ms']:9.3f} {r['verify_sample_ms']:8.3f} {r['loop_ms']:7.3f}  "
+              f"{100 * share[0]:5.1f}% / {100 * share[1]:4.1f}%   "
+              f"{'yes' if r['identical'] else 'NO'}")
+    print("(median ms per step; device = llama_decode + llama_get_logits; overhead = the rest of "
+          "the step + the loop since the previous step; share = overhead / (GPU step + overhead))")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--tiny", action="store_true", help="use the test suite's tiny model")
+    ap.add_argument("--ks", default="0,4,8,16")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--gpu-layers", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeat-penalty", type=float, default=1.0)
+    ap.add_argument("--fast", action="store_true",
+                    help="also the prototype step, interleaved case by case with the engine's")
+    ap.add_argument("--profile", type=int, default=None, metavar="K")
+    ap.add_argument("--rows", type=int, metavar="N_VOCAB",
+                    help="verification alone on random rows of this vocabulary size (no model)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    ks = [int(k) for k in a.ks.split(",")]
+    if a.rows:
+        print(f"# verification of k+1 random rows of {a.rows} logits, repeat_penalty "
+              f"{a.repeat_penalty}, best of 200 (ms); load {os.getloadavg()[0]:.1f}")
+        for r in bench_rows(a.rows, ks, a.repeat_penalty):
+            print(f"k={r['k']:2d} {r['mode']:6}  engine {r['engine']:7.3f}  prototype "
+                  f"{r['prototype']:7.3f}  ({r['engine'] / r['prototype']:.1f}x)")
+        return
+    if not a.model and not a.tiny:
+        ap.error("give MODEL.gguf, --tiny or --rows N")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(tiny_model(Path(tmp))) if a.tiny else a.model
+        load0 = os.getloadavg()
+        rows, profiles = measure(model, ks, a.tokens, a.gpu_layers, a.threads, a.repeat_penalty,
+                                 ("engine", "prototype") if a.fast else ("engine",), a.profile,
+                                 a.reps)
+    label = (f"{'tiny model' if a.tiny else Path(a.model).name}, gpu_layers {a.gpu_layers}, "
+             f"threads {a.threads or 'all'}, repeat_penalty {a.repeat_penalty}, {a.tokens} tokens"
+             f" x {len(PROMPTS)} prompts x {a.reps}; load {load0[0]:.1f} -> "
+             f"{os.getloadavg()[0]:.1f}")
+    report(rows, label)
+    for step, text in profiles.items():
+        print(f"# cProfile, {step} step, k={a.profile} accept\n{text}", file=sys.stderr)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"label": label, "system": llama.system_info(),
+                                            "rows": rows, "profiles": profiles}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

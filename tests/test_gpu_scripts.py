@@ -1,0 +1,67 @@
+"""The GPU run's measurement scripts (scripts/step_overhead.py, scripts/gpu_measure.py) still drive
+the engine correctly, on the tiny model and the CPU: a device session gets few tries, so a script
+broken by an engine change must fail here first. Only what the scripts decide is checked (identity,
+step counts, the prototype swapped in and out); their timings are not."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import localspec.engine
+from localspec.step import step
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load(name):
+    if str(SCRIPTS) not in sys.path:              # gpu_measure imports step_overhead by name
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_overhead_runs_engine_and_prototype_to_the_same_output(tiny_path):
+    so = load("step_overhead")
+    rows, profiles = so.measure(str(tiny_path), ks=[0, 3], n_tokens=12, gpu_layers=0, threads=1,
+                                penalty=1.1, steps=("engine", "prototype"), profile_k=3, reps=1)
+    assert [(r["step"], r["k"], r["mode"]) for r in rows] == [
+        ("engine", 0, "plain"), ("prototype", 0, "plain"), ("engine", 3, "accept"),
+        ("prototype", 3, "accept"), ("engine", 3, "reject"), ("prototype", 3, "reject")]
+    assert all(r["identical"] for r in rows)      # scripted drafts never change greedy output
+    by = {(r["step"], r["k"], r["mode"]): r for r in rows}
+    for k, mode in ((0, "plain"), (3, "accept"), (3, "reject")):
+        engine, proto = by[("engine", k, mode)], by[("prototype", k, mode)]
+        # The same steps with the same tokens each: near-tie rechecks (frequent on the tiny
+        # model) included, so the two are timed on identical work.
+        assert (engine["steps"], engine["tokens_per_step"]) == \
+            (proto["steps"], proto["tokens_per_step"])
+        assert engine["device_ms"] > 0                                # the clock saw llama_decode
+    assert by[("engine", 0, "plain")]["tokens_per_step"] == 1.0
+    assert by[("engine", 3, "accept")]["tokens_per_step"] > 1.0      # drafts were kept
+    assert by[("engine", 3, "reject")]["tokens_per_step"] <= 1.0     # never a draft kept
+    assert set(profiles) == {"engine", "prototype"} and all(profiles.values())
+    assert localspec.engine.step is step                             # put back after each run
+
+
+def test_step_overhead_rows_mode_compares_equal_verdicts():
+    so = load("step_overhead")
+    out = so.bench_rows(300, [0, 4], penalty=1.2, reps=2)
+    assert [(r["k"], r["mode"]) for r in out] == [(0, "accept"), (4, "accept"), (4, "reject")]
+
+
+def test_gpu_measure_curve_and_identity_on_the_tiny_model(tiny_path):
+    gm = load("gpu_measure")
+    c = gm.curve(str(tiny_path), layers=0, k_max=4, threads=1)
+    assert len(c["ratios"]) == 5 and c["ratios"][0] == 1.0 and c["ms_per_step"] > 0
+    assert set(c["policy_k"]) == {4, 16} and set(c["policy_k"][4]) == set(gm.ACCEPTANCE)
+    ident = gm.identity(str(tiny_path), layers=0, n_tokens=8, threads=1)
+    assert ident["prompts"] == 20
+    for mode in ("ngram", "scripted-k8"):
+        m = ident[mode]
+        assert m["identical"] + len(m["diverged"]) == 20
+        assert all(d["top2_gap"] < 0.5 for d in m["diverged"])      # only near-ties may flip
+    assert ident["scripted-k8"]["drafted"] > 0

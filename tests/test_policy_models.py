@@ -1,0 +1,263 @@
+"""The acceptance model, the cost model, the regret guard and the adaptive policy: scripted
+features and timings in, k out. Deterministic; no model, no wall clock."""
+
+from __future__ import annotations
+
+import doctest
+import json
+
+import numpy as np
+import pytest
+
+from localspec import acceptance, adaptive, calibrate, costmodel
+from localspec.acceptance import AcceptanceModel, DraftFeatures, RequestState, expected_tokens
+from localspec.adaptive import AdaptiveConfig, AdaptivePolicy, GuardConfig, RegretGuard
+from localspec.costmodel import CostConfig, CostModel, Stability, round_stability
+from localspec.policy import CostCurve
+
+EPYC = [1.0, 1.48, 1.96, 2.22, 2.68, 3.485, 4.29, 5.095, 5.9, 6.2125, 6.525, 6.8375, 7.15,
+        7.4625, 7.775, 8.0875, 8.4]
+XEON = [1.0, 1.55, 1.75, 1.75, 2.2, 2.4, 2.6, 2.8, 3.0, 3.1125, 3.225, 3.3375, 3.45, 3.5625,
+        3.675, 3.7875, 3.9]
+MS = 60.0
+
+COPY = DraftFeatures(list(range(100, 116)), "history", 8, n_occ=1, agree=[1] * 16)
+GUESS = DraftFeatures(list(range(200, 216)), "history", 1, n_occ=9,
+                      agree=[3, 1] + [1] * 14)
+
+
+def test_docstring_examples():
+    for mod in (acceptance, adaptive, costmodel):
+        assert doctest.testmod(mod).failed == 0
+
+
+# -- acceptance ------------------------------------------------------------------------------
+WARM = RequestState(streak=12, recent=0.9)      # a request that has been copying
+COLD = RequestState(streak=0, recent=0.3)       # one where guesses keep failing
+
+
+def test_copied_run_is_predicted_likelier_than_a_one_token_guess():
+    model = AcceptanceModel()
+    copy = model.predict(COPY, 8, WARM)
+    guess = model.predict(GUESS, 8, COLD)
+    assert len(copy) == 8 and all(0 < p < 1 for p in list(copy) + list(guess))
+    assert copy[0] > 0.8 > 0.5 > guess[0]
+    assert expected_tokens(copy, 8) > 2 * expected_tokens(guess, 8)
+
+
+def test_fast_logits_are_the_feature_matrix_times_the_weights():
+    model = AcceptanceModel()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 17))
+        agree = np.sort(rng.integers(0, 6, n))[::-1].tolist()
+        f = DraftFeatures(list(range(n)), "history", int(rng.integers(1, 9)),
+                          n_occ=max(agree[0], int(rng.integers(0, 8))), agree=agree,
+                          breaks=rng.integers(0, 3, n).tolist() if rng.random() < 0.7 else None)
+        st = RequestState(streak=int(rng.integers(0, 80)), recent=float(rng.random()))
+        want = acceptance.phis(f, n, st) @ np.asarray(acceptance.PRIOR_WEIGHTS)
+        np.testing.assert_allclose(model.base_logits(f, n, st), want, rtol=1e-12, atol=1e-12)
+
+
+def test_disagreeing_occurrences_and_line_breaks_lower_their_position():
+    model = AcceptanceModel()
+    agree = DraftFeatures(list(range(8)), "history", 3, n_occ=4, agree=[4] * 8)
+    split = DraftFeatures(list(range(8)), "history", 3, n_occ=4, agree=[4, 4, 1, 1, 1, 1, 1, 1])
+    broken = DraftFeatures(list(range(8)), "history", 3, n_occ=4, agree=[4] * 8,
+                           breaks=[0, 0, acceptance.NEWLINE, 0, 0, 0, 0, 0])
+    pa, ps, pb = (model.predict(f, 8, WARM) for f in (agree, split, broken))
+    assert list(pa[:2]) == list(ps[:2]) == list(pb[:2])   # same until position 2
+    assert ps[2] < pa[2] and pb[2] < pa[2]
+
+
+def test_online_offset_follows_what_the_verifier_says():
+    model = AcceptanceModel(acceptance.AcceptanceConfig(learn_rate=0.15))
+    before = model.predict(COPY, 1, WARM)[0]
+    for _ in range(30):
+        model.observe(COPY, 4, 0, WARM)              # rejected at once, every time
+    assert model.predict(COPY, 1, WARM)[0] < before - 0.3
+    for _ in range(60):
+        model.observe(COPY, 4, 4, WARM)              # then accepted throughout
+    assert model.predict(COPY, 1, WARM)[0] > before - 0.05
+
+
+def test_request_state_counts_guesses_per_output_token():
+    st = RequestState()
+    st.verified(COPY, 4, 4, [100, 101, 102, 103, 7])   # four drafts accepted
+    assert st.streak == 4 and st.recent > acceptance.RECENT_PRIOR
+    high = st.recent
+    st.verified(COPY, 4, 1, [100, 9])                   # one accepted, then a miss
+    assert st.streak == 0 and st.recent < high
+    st.verified(COPY, 0, 0, [100])                      # not drafted; the guess was right
+    assert st.streak == 1
+    st.verified(COPY, 3, 0, [])                         # a near-tie at row 0: nothing decided
+    assert st.streak == 1
+
+
+def test_expected_tokens_is_one_plus_prefix_products():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.9, 0.5, 0.0], 3) == pytest.approx(1 + 0.9 + 0.45)
+    np.testing.assert_allclose(acceptance.expected_by_k(np.array([0.9, 0.5, 0.0])),
+                               [1.9, 2.35, 2.35])
+
+
+# -- cost model ------------------------------------------------------------------------------
+def test_noisy_calibration_is_detected():
+    quiet = [[0.060, 0.089, 0.118, 0.133, 0.161], [0.061, 0.090, 0.118, 0.135, 0.162],
+             [0.060, 0.089, 0.119, 0.134, 0.160]]
+    assert not round_stability(quiet).noisy
+    slower = [[2 * t for t in quiet[0]]] + quiet[1:]          # a uniformly slower round: fine
+    assert not round_stability(slower).noisy
+    busy = [quiet[0], [0.061, 0.109, 0.150, 0.151, 0.200], [0.060, 0.089, 0.140, 0.180, 0.161]]
+    st = round_stability(busy)                                # another job came and went
+    assert st.noisy and st.worst_k in (2, 3) and st.spread > costmodel.NOISY_SPREAD
+    assert "NOISY" in costmodel.stability_line(st)
+    assert "stable" in costmodel.stability_line(round_stability(quiet))
+    five = quiet + quiet[:1] + [busy[1]]                      # one odd round of five: left out
+    assert not round_stability(five).noisy
+    tiny = [[t / 1000 for t in r] for r in busy]              # 0.06 ms steps: timer jitter
+    assert round_stability(tiny).spread > costmodel.NOISY_SPREAD
+    assert not round_stability(tiny).noisy
+    assert "timer-bound" in costmodel.stability_line(round_stability(tiny))
+
+
+def test_noisy_cached_curve_is_measured_again_and_the_steadier_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+
+    class Ctx:            # what curve_key reads; measure() is scripted below
+        class model:
+            path = tmp_path / "m.gguf"
+            repacked = True
+        n_threads = 2
+
+    Ctx.model.path.write_bytes(b"gguf")
+    spreads = iter([0.30, 0.20, 0.02, 0.5])
+    monkeypatch.setattr(calibrate, "measure", lambda ctx, k_max: CostCurve(
+        (1.0, 1.5), 50.0, notes={"stability": Stability(5, next(spreads), 1, 0.3, 0.1)}))
+    first = calibrate.load_or_measure(Ctx, k_max=1)                       # 0.30: noisy
+    assert first.notes["stability"].noisy
+    second = calibrate.load_or_measure(Ctx, k_max=1)                      # noisy: again (0.20)
+    assert second.notes["stability"].spread == 0.20 and second.notes["remeasured"] == 1
+    forced = calibrate.load_or_measure(Ctx, k_max=1, force=True, attempts=3)  # 0.02: stops
+    assert forced.notes["stability"].spread == 0.02
+    assert calibrate.load_or_measure(Ctx, k_max=1).notes["stability"].spread == 0.02  # cached
+    saved = json.loads(next((tmp_path / "calibration").glob("*.json")).read_text())
+    assert saved["stability"]["spread"] == 0.02
+
+
+def test_cost_model_without_timings_is_the_prior():
+    cm = CostModel(EPYC, MS)
+    assert cm.ratios() == pytest.approx(EPYC)
+    off = CostModel(EPYC, MS, CostConfig(online=False))
+    for _ in range(50):
+        off.observe(0, MS)
+        off.observe(3, 10 * MS)
+    assert off.ratios() == pytest.approx(EPYC)          # reproducible mode ignores timing
+
+
+def test_cost_model_follows_a_drifting_machine_without_changing_the_curve():
+    cm = CostModel(EPYC, MS)
+    for step in range(400):
+        scale = 1.0 if step < 100 else 1.5                # the whole machine slows down
+        cm.observe(0, MS * scale)
+        cm.observe(2, MS * scale * EPYC[2])
+    assert cm.ms(0) == pytest.approx(1.5 * MS, rel=0.05)
+    assert cm.ratio(2) == pytest.approx(EPYC[2], rel=0.02)
+
+
+def test_one_odd_step_does_not_rewrite_the_curve():
+    cm = CostModel(XEON, MS)
+    for _ in range(20):
+        cm.observe(0, MS)
+        cm.observe(3, MS * XEON[3])
+    cm.observe(3, MS * 40)                                # descheduled once
+    assert cm.ratio(3) < 1.2 * XEON[3]
+
+
+def test_timings_showing_k3_costs_twice_the_cache_change_the_choice():
+    f = DraftFeatures(list(range(3)), "history", 6, n_occ=2, agree=[2, 2, 2])
+    make = lambda cm: AdaptivePolicy(cm, AdaptiveConfig())
+    trusting = make(CostModel(XEON, MS))
+    trusting.start()
+    trusting.state = RequestState(streak=10, recent=0.9)
+    assert trusting.choose_draft(f) == 3                  # XEON: r(3) = r(2): take all three
+    cm = CostModel(XEON, MS)
+    for _ in range(40):
+        cm.observe(0, MS)
+        cm.observe(1, XEON[1] * MS)                       # k = 1 and 2 cost what the
+        cm.observe(2, XEON[2] * MS)                       # cache says, but k = 3 really
+        cm.observe(3, 2 * XEON[3] * MS)                   # costs 3.5 steps
+    assert cm.ratio(3) > 1.6 * XEON[3]
+    learned = make(cm)
+    learned.start()
+    learned.state = RequestState(streak=10, recent=0.9)
+    assert learned.choose_draft(f) == 2
+
+
+# -- regret guard ----------------------------------------------------------------------------
+def stream_nothing_accepted(policy, f, steps):
+    """Drive a policy with a proposal the prior loves and a verifier that rejects everything;
+    returns which steps drafted."""
+    drafted = []
+    for _ in range(steps):
+        k = policy.choose_draft(f)
+        drafted.append(k > 0)
+        policy.observe_step(f, k, 0, [999], verify_ms=MS * XEON[k])
+    return drafted
+
+
+def test_regret_guard_turns_speculation_off_within_a_bounded_number_of_steps():
+    cfg = AdaptiveConfig(acceptance=acceptance.AcceptanceConfig(learn_rate=0.0))  # guard alone
+    policy = AdaptivePolicy(CostModel(XEON, MS), cfg)
+    policy.start()
+    drafted = stream_nothing_accepted(policy, COPY, 200)
+    first_off = drafted.index(False)
+    assert first_off <= GuardConfig().min_steps
+    assert policy.guard.n_backoffs >= 1
+    assert sum(drafted) <= 3 * GuardConfig().min_steps        # probes stay short and rare
+
+
+def test_regret_guard_probes_again_and_backs_off_longer_each_time():
+    guard, c = RegretGuard(), GuardConfig()
+    off_stretches, run = [], 0
+    for _ in range(2000):
+        if guard.allows():
+            if run:
+                off_stretches.append(run)
+                run = 0
+            guard.speculative(n_emitted=1, ms=1.75 * MS, plain_ms=MS)   # never pays
+        else:
+            run += 1
+            guard.plain()
+    assert off_stretches[:4] == [c.backoff, 2 * c.backoff, 4 * c.backoff, 8 * c.backoff]
+    assert max(off_stretches) == c.backoff_max
+
+
+def test_regret_guard_keeps_a_paying_stream_on():
+    guard = RegretGuard()
+    for _ in range(100):
+        guard.speculative(n_emitted=4, ms=2.2 * MS, plain_ms=MS)
+    assert guard.allows() and guard.n_backoffs == 0 and guard.gain > 1.5
+
+
+def test_steep_curve_and_weak_guesses_stay_plain():
+    policy = AdaptivePolicy(CostModel(EPYC, MS))
+    policy.start()
+    assert policy.choose_draft(GUESS) == 0
+
+
+def test_timings_of_one_k_correct_the_whole_curve_when_the_cache_is_too_flat():
+    # The cache was measured on a Xeon-like curve; the machine behaves like the EPYC. Steps of
+    # k = 2 alone must make k = 8, never tried, look dear too (one slope for the whole curve).
+    cm = CostModel(XEON, MS)
+    for _ in range(30):
+        cm.observe(0, MS)
+        cm.observe(2, MS * EPYC[2])
+    assert cm.slope > 1.0
+    assert cm.ratio(8) > 1.15 * XEON[8]                  # 3.5 (EPYC-like 5.9; Xeon 3.0)
+    assert cm.ratio(2) == pytest.approx(EPYC[2], rel=0.1)
+    steady = CostModel(EPYC, MS)                          # a right cache keeps its shape
+    for _ in range(30):
+        steady.observe(0, MS)
+        steady.observe(2, MS * EPYC[2])
+    assert steady.ratios() == pytest.approx(EPYC, rel=0.03)
