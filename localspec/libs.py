@@ -5,6 +5,7 @@ llama-cpp-python loads its libraries once, at `import llama_cpp`, from LLAMA_CPP
 so the choice is made once per process, before that import (localspec/llama.py asks here first).
 Standard library only and never imports llama_cpp, so install.sh runs it as a script to lay out
 the copy: `python localspec/libs.py install CPU_LIB_DIR KEY | key | remove`.
+LOCALSPEC_EXACT_LIB names another llamafile-free library folder (a build of your own).
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def exact_lib_status(environ=os.environ) -> tuple:
     llama_cpp/lib-exact) and "" when it is usable, else why not. A copy left from an earlier
     llama-cpp-python install is not usable: its libllama must be the installed one's twin."""
     given = environ.get("LOCALSPEC_EXACT_LIB")
-    lib = package_lib_dir()
     if given:
         return Path(given), ("" if _llama_lib(Path(given)) else f"{given} holds no libllama")
+    lib = package_lib_dir()
     if lib is None:
         return None, "llama-cpp-python is not installed"
     folder = lib.parent / EXACT_DIR

@@ -16,7 +16,7 @@ from localspec.cache_format import (SUFFIX, Rejected, context_key, model_identit
                                     write_file)
 from localspec.catalog import get_entry
 from localspec.errors import LocalspecError
-from localspec.llama import Context, ContextParams, Model
+from localspec.llama import Context, ContextParams, Model, system_info
 from localspec.prompt_cache import PromptCache, default_budget_mb
 from tinymodel import make_tiny_gguf
 
@@ -45,6 +45,18 @@ def doc(model, name, n_lines=12):
     system = text_tokens(model, "You answer questions about code. ", bos=True)
     body = "".join(f"def {name}_{i}(x): return x * {i} + {len(name)}\n" for i in range(n_lines))
     return system + text_tokens(model, body)
+
+
+# install.sh's default libraries have llamafile's tinyBLAS, which rounds a row differently by batch
+# size: where the reference below splits a prompt into batches differently from the path under
+# test, logits agree to float noise, not bit for bit. tests/test_exact_libs.py reruns this module
+# on the llamafile-free libraries, where they must be identical.
+BATCH_INVARIANT = "LLAMAFILE" not in system_info()
+
+
+def same_logits(got, want) -> bool:
+    return np.array_equal(got, want) if BATCH_INVARIANT else \
+        np.allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def fresh_logits(model, prefix, rest):
@@ -209,7 +221,7 @@ def test_alternating_documents_evaluate_only_new_tokens(any_model):
                 assert reuse.evaluated <= len(q)
                 prompt = d + q
                 want = fresh_logits(any_model, prompt[:reuse.reused], prompt[reuse.reused:])
-                assert np.array_equal(logits, want[-1])
+                assert same_logits(logits, want[-1])
 
 
 def test_live_context_is_preferred_when_it_holds_the_prefix(tiny_model):
@@ -293,7 +305,7 @@ def test_target_and_draft_contexts_share_one_cache(tiny_model, draft_model):
             reuse, logits = s.prefill(prompt)
             assert reuse.source == "ram"
             want = fresh_logits(model, prompt[:reuse.reused], prompt[reuse.reused:])
-            assert np.array_equal(logits, want[-1])
+            assert same_logits(logits, want[-1])
 
 
 # -- disk ------------------------------------------------------------------------------------
@@ -315,7 +327,7 @@ def test_a_restarted_process_finds_the_disk_entry(any_model, tmp_path):
     with Context(any_model, PARAMS) as ctx:
         reuse, logits = Session(PromptCache(64, disk_dir=tmp_path), ctx).prefill(d + q)
     assert (reuse.source, reuse.reused) == ("disk", len(d))
-    assert np.array_equal(logits, fresh_logits(any_model, d + q[:-1], q[-1:])[-1])
+    assert same_logits(logits, fresh_logits(any_model, d + q[:-1], q[-1:])[-1])
 
 
 def damage_flip(path):
@@ -343,7 +355,7 @@ def test_damaged_files_are_ignored_with_one_line(tiny_model, tmp_path, capsys, d
         s = Session(PromptCache(64, disk_dir=tmp_path), ctx)
         reuse, logits = s.prefill(d + [60, 61])
         assert reuse.source == "" and reuse.reused == 0
-        assert np.array_equal(logits, fresh_logits(tiny_model, d + [60], [61])[-1])
+        assert same_logits(logits, fresh_logits(tiny_model, d + [60], [61])[-1])
         ctx.clear()
         s.prefill(d + [62, 63])                          # warned once, not on every lookup
     err = capsys.readouterr().err.strip().splitlines()
@@ -429,7 +441,7 @@ def test_named_session_round_trip_and_mismatch(tiny_model, draft_model, tmp_path
 
 WORKER = textwrap.dedent("""
     import sys
-    from localspec.llama import Context, ContextParams, Model
+    from localspec.llama import Context, ContextParams, Model, system_info
     from localspec.prompt_cache import PromptCache
     model_path, folder, me = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with Model(model_path) as model, Context(model, ContextParams(n_ctx=1024, n_threads=1)) as ctx:
