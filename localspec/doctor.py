@@ -33,9 +33,23 @@ def device_lines() -> list:
         f"llama.cpp libraries: {library_account()}",
         f"--exact libraries: {problem or folder}",
         f"llama.cpp features: {features}",
-        f"GPU offload available: {'yes' if supports_gpu_offload() else 'no (CPU build)'}",
+        f"GPU offload available: {gpu_offload_line(features)}",
         f"AMX: {amx}",
     ]
+
+
+GPU_BACKENDS = ("CUDA", "Metal", "METAL", "Vulkan", "VULKAN", "HIP", "ROCm", "SYCL", "CANN",
+                "OpenCL", "MUSA")
+
+
+def gpu_offload_line(features: str) -> str:
+    """llama.cpp says it "supports GPU offload" when only the RPC backend is built (layers can go
+    to other hosts); say which it is."""
+    if not supports_gpu_offload():
+        return "no (CPU build)"
+    if any(name in features for name in GPU_BACKENDS):
+        return "yes"
+    return "no GPU backend in this build; layers can go to RPC servers (--rpc)"
 
 
 def model_lines(label: str, model: Model) -> list:

@@ -23,3 +23,13 @@ def test_doctor_names_the_first_difference_of_an_incompatible_pair(smollm_path, 
     assert r.returncode == 1
     assert "INCOMPATIBLE" in r.stdout and "tokenizer types differ" in r.stdout
     assert "token 0 differs" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_gpu_line_says_rpc_only_when_no_gpu_backend_is_built():
+    from localspec.doctor import gpu_offload_line
+    from localspec.llama import supports_gpu_offload
+    line = gpu_offload_line("CPU : AVX2 = 1 | LLAMAFILE = 1 | OPENMP = 1 |")
+    assert line == ("no (CPU build)" if not supports_gpu_offload() else
+                    "no GPU backend in this build; layers can go to RPC servers (--rpc)")
+    if supports_gpu_offload():
+        assert gpu_offload_line("CUDA : ARCHS = 900 | CPU : AVX2 = 1 |") == "yes"
