@@ -37,9 +37,8 @@ __all__ = ["Engine", "EngineConfig", "Generation", "Prompt"]
 Prompt = Union[str, Sequence[dict], Sequence[int]]
 # Prompt tokens per decode call while prefilling: a cancel (Ctrl-C in chat, `cancel` in the
 # protocol) is seen between two chunks, ~5 s apart for the 1.5B at 50 prompt tokens/s on 2 cores
-# (llama.cpp's own n_batch, 512, would be ~10 s). The cost is one more pass over the weights per
-# 256 tokens (~1 GB for the 1.5B, tens of ms against seconds of compute); not separately measured
-# on a quiet machine (one run at load 17 was too noisy to read).
+# (llama.cpp's own n_batch, 512, would be ~10 s). Measured cost: 0.99x the prefill speed of whole
+# n_batch calls, inside the noise (docs/benchmarks.md, "Prefill chunk size").
 PREFILL_CHUNK = 256
 
 
