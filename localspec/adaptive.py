@@ -109,7 +109,6 @@ class AdaptivePolicy:
         self.guard = RegretGuard(config.guard)
         self.state = RequestState()
         self._seen = (None, None)   # the last proposal predicted, and its base logits
-        self.n_drafting = 0         # steps that drafted (for reports)
 
     def start(self) -> None:
         """A new request: nothing is known about its text yet."""
@@ -152,7 +151,6 @@ class AdaptivePolicy:
             elif emitted:             # not drafted: plain decoding says what it would have scored
                 self.acceptance.observe(f, 1, int(f.tokens[0] == emitted[0]), self.state, base)
         if k:
-            self.n_drafting += 1
             ms = (verify_ms if verify_ms is not None else self._model_ms(k)) + propose_ms
             ref = plain_ms if plain_ms is not None else self._model_ms(0)
             self.guard.speculative(len(emitted), ms, ref)

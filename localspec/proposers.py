@@ -31,14 +31,20 @@ class Proposal:
     tokens: list                      # [k] draft token ids
     p_draft: Optional[list]           # [k] Dist, or None: point masses (n-gram, greedy drafts)
     source: str                       # "history" | "document" | "draft"
-    shadow: Optional[int] = None      # k == 0 but a guess exists: the policy may learn from it
-    key: str = ""                     # the policy's acceptance-estimate key ("" = source)
     features: Optional[DraftFeatures] = None  # what the proposer knew (n-gram): the policy's
                                               # observe_step() wants it back after verify
 
     @property
-    def policy_key(self) -> str:
-        return self.key or self.source
+    def shadow(self) -> Optional[int]:
+        """Nothing drafted but the matcher had a guess: its first token (plain decoding's token
+        then says what drafting would have scored)."""
+        f = self.features
+        return int(f.tokens[0]) if f is not None and not self.tokens and len(f.tokens) else None
+
+    @property
+    def key(self) -> str:
+        """The acceptance-estimate key of policy.DraftPolicy: source and match length."""
+        return DraftPolicy.key_for(self.features) if self.features is not None else self.source
 
 
 EMPTY = Proposal([], None, "none")
@@ -109,11 +115,7 @@ class NgramProposer(Proposer):
         f = self.features(room, policy.config.k_max)
         if f is None:
             return EMPTY
-        k = policy.choose_draft(f)
-        key = DraftPolicy.key_for(f)
-        if k == 0:
-            return Proposal([], None, f.source, shadow=int(f.tokens[0]), key=key, features=f)
-        return Proposal(list(f.tokens[:k]), None, f.source, key=key, features=f)
+        return Proposal(list(f.tokens[:policy.choose_draft(f)]), None, f.source, features=f)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self._index.append(list(tokens))

@@ -83,8 +83,8 @@ class ScriptedProposer(Proposer):
 
 
 class DeviceClock:
-    """Wraps llama_decode and llama_get_logits (through localspec.llama's handle on llama_cpp) and sums
-    the time spent inside them. On CUDA llama_decode may return before the GPU is done;
+    """Wraps llama_decode and llama_get_logits (through localspec.llama's handle on llama_cpp)
+    and sums the time spent inside them. On CUDA llama_decode may return before the GPU is done;
     llama_get_logits synchronizes, so the two together are the device's share."""
 
     NAMES = ("llama_decode", "llama_get_logits")
