@@ -151,6 +151,52 @@ def test_bench_on_tiny_model_ngram_modes_match_plain(tiny_path, small_workloads)
     assert "| edit-indent | code-edit | ngram-k3" in format_rows(rows)
 
 
+def test_rounds_give_medians_of_side_by_side_ratios(tiny_path, small_workloads):
+    settings = BenchSettings(str(tiny_path), max_tokens=12, n_ctx=2048, warmup=False, rounds=3)
+    lines = []
+    with Bench(parse_modes("plain,ngram-k2"), settings, say=lines.append) as b:
+        rows = b.run(load_workloads(small_workloads, ids=["chat-hi", "sum-pass"]))
+    assert [(r.case, r.mode) for r in rows] == [("chat-hi", "plain"), ("chat-hi", "ngram-k2"),
+                                                ("sum-pass", "plain"), ("sum-pass", "ngram-k2")]
+    assert sum("round 2/3" in s for s in lines) == 2 and sum("round 3/3" in s for s in lines) == 2
+    # round 2 runs the modes the other way round: ngram-k2 first
+    i = next(j for j, s in enumerate(lines) if "round 2/3" in s)
+    assert "ngram-k2" in lines[i + 1] and "plain" in lines[i + 2]
+    for r in rows:
+        assert r.rounds == 3
+        assert r.stats["prefill_tokens"] == r.prompt_tokens     # the reported round is cold
+        if r.mode == "ngram-k2":
+            lo, hi = r.ratio_range
+            assert lo <= r.ratio <= hi and r.identical is True
+    assert "rounds' range" in format_rows(rows)
+
+
+def test_merge_rounds_takes_the_median_of_per_round_ratios():
+    from localspec.bench.report import make_row, merge_rounds
+    from localspec.bench.runner import Mode
+    from localspec.bench.timing import Outcome
+
+    def out(tps, tokens=(1, 2, 3)):   # 11 tokens over 1 s after the first: tps = 10 / s
+        return Outcome("t", list(tokens), 11, 100.0, 100.0 + 10_000 / tps, "length")
+
+    plain, ngram = Mode("plain"), Mode("ngram")
+    case = Case("c", "chat", "hi", None, 10)
+    rounds = [{"plain": out(10), "ngram": out(12)},       # 1.2
+              {"plain": out(20), "ngram": out(18)},       # 0.9 (the machine sped up)
+              {"plain": out(10), "ngram": out(11)}]       # 1.1
+    row = make_row(case, ngram, 5, rounds[0]["ngram"], rounds[0]["plain"], None, True)
+    merge_rounds(row, ngram, rounds, None)
+    assert (row.rounds, row.ratio, row.ratio_range) == (3, 1.1, [0.9, 1.2])
+    assert row.decode_tps == 12.0 and row.identical is True
+    rounds[2]["ngram"] = out(11, tokens=(1, 2, 4))
+    row = make_row(case, ngram, 5, rounds[0]["ngram"], rounds[0]["plain"], None, True)
+    merge_rounds(row, ngram, rounds, None)
+    assert row.identical is False                          # one round differing is a difference
+    base = make_row(case, plain, 5, rounds[0]["plain"], rounds[0]["plain"], None, True)
+    merge_rounds(base, plain, rounds, None)
+    assert base.ratio is None and base.decode_tps == 10.0
+
+
 def test_draft_and_hybrid_modes_match_plain(tiny_path, tiny_dir, small_workloads):
     from tinymodel import make_tiny_gguf
 

@@ -33,6 +33,8 @@ class Row:
     text_identical: Optional[bool] = None   # same text as plain (the peer's stream can differ)
     stop_reason: str = ""
     load_avg: Optional[float] = None  # 1-minute load average after the case: other work running
+    rounds: int = 1                   # > 1: tok/s and ratios are medians over the rounds
+    ratio_range: Optional[list] = None   # [lowest, highest] per-round ratio to plain
     text: str = ""
     stats: dict = field(default_factory=dict)
 
@@ -69,6 +71,32 @@ def make_row(case: Case, mode, prompt_tokens: int, out: Outcome,
     if peer is not None and not mode.is_peer:
         row.vs_peer = _ratio(out.decode_tps, peer.decode_tps)
     return row
+
+
+def merge_rounds(row: Row, mode, rounds: Sequence[dict], peer_name: Optional[str]) -> None:
+    """Row of the first round -> the median over rounds ({mode name: Outcome} each). Each round's
+    ratio compares runs made next to each other, so the median of per-round ratios is what drift
+    of a shared machine spoils least; identity must hold in every round."""
+    row.rounds = len(rounds)
+    row.decode_tps = round(_median([o[mode.name].decode_tps for o in rounds]), 2)
+    if row.ratio is not None:
+        ratios = [_ratio(o[mode.name].decode_tps, o["plain"].decode_tps) for o in rounds]
+        ratios = [r for r in ratios if r is not None]
+        if ratios:
+            row.ratio = round(_median(ratios), 3)
+            row.ratio_range = [min(ratios), max(ratios)]
+    if row.vs_peer is not None:
+        vs = [_ratio(o[mode.name].decode_tps, o[peer_name].decode_tps) for o in rounds]
+        vs = [v for v in vs if v is not None]
+        row.vs_peer = round(_median(vs), 3) if vs else None
+    if row.identical is not None and not mode.is_peer:
+        row.identical = all(o[mode.name].tokens == o["plain"].tokens for o in rounds)
+
+
+def _median(values: Sequence[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
 def _ratio(a: float, b: float) -> Optional[float]:
@@ -135,13 +163,20 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
 
 def format_rows(rows) -> str:
     """Per case and mode, as a Markdown table."""
-    header = ["case", "kind", "mode", "prompt", "gen", "TTFT ms", "tok/s", "x plain", "x peer",
-              "acc len", "acc rate", "identical"]
+    ranged = any(r.ratio_range for r in rows)
+    header = ["case", "kind", "mode", "prompt", "gen", "TTFT ms", "tok/s", "x plain",
+              *(["rounds' range"] if ranged else []), "x peer", "acc len", "acc rate",
+              "identical"]
     body = [[r.case, r.kind, r.mode, str(r.prompt_tokens), str(r.generated_tokens),
-             f"{r.ttft_ms:.0f}", f"{r.decode_tps:.2f}", _fmt(r.ratio), _fmt(r.vs_peer),
+             f"{r.ttft_ms:.0f}", f"{r.decode_tps:.2f}", _fmt(r.ratio),
+             *([_range(r.ratio_range)] if ranged else []), _fmt(r.vs_peer),
              _fmt(r.mean_accepted_len), _fmt(r.acceptance_rate, ".0%"), _identity(r)]
             for r in rows]
     return _table(header, body)
+
+
+def _range(pair) -> str:
+    return "-" if not pair else f"{pair[0]:.2f}-{pair[1]:.2f}"
 
 
 def format_summary(summary) -> str:

@@ -23,7 +23,7 @@ from ..llama import default_threads, library_account, system_info
 from ..policy import PolicyConfig
 from ..sampling import SamplingParams, top2_gap
 from .peer import PEER_K, Peer
-from .report import Row, first_difference, make_row, summarize
+from .report import Row, first_difference, make_row, merge_rounds, summarize
 from .timing import Outcome, Ticker
 from .workloads import Case
 
@@ -71,10 +71,12 @@ def parse_modes(text: str) -> list:
 
 
 def run_engine(engine: Engine, case: Case, sampling: SamplingParams, max_tokens: int,
-               live=None) -> Outcome:
+               live=None, cold: bool = True) -> Outcome:
     # Cold: forget the previous request's KV rows so the whole prompt is prefilled (the engine
     # would otherwise reuse the shared chat-template prefix), as the peer does after reset().
-    engine.reset()
+    # Warm (a repeat round of the same case): the prompt's rows stay; decoding is the same work.
+    if cold:
+        engine.reset()
     ticker = Ticker(live)
     gen = engine.generate(case.messages(), sampling, max_tokens=max_tokens)
     t_iter = time.perf_counter()      # the generation loop (and its prefill clock) starts here
@@ -85,7 +87,7 @@ def run_engine(engine: Engine, case: Case, sampling: SamplingParams, max_tokens:
     # First token = end of prefill, not first piece: text is held back while it could be an
     # incomplete UTF-8 sequence or the start of a stop string, which is not decoding time.
     first = min(end, t_iter + st.prefill_ms / 1000)
-    if st.prefill_tokens != st.prompt_tokens:
+    if cold and st.prefill_tokens != st.prompt_tokens:
         raise RuntimeError(f"{case.id}: the request reused {st.prompt_tokens - st.prefill_tokens} "
                            "KV rows; timings would not be cold.")
     return Outcome(gen.text, list(gen.tokens), len(gen.tokens), 1000 * (first - ticker.t0),
@@ -114,6 +116,7 @@ class BenchSettings:
     exact: bool = False               # batch-invariant CPU kernels for every engine mode
     rpc: tuple = ()                   # `localspec rpc-server`s holding the offloaded layers
     warmup: bool = True
+    rounds: int = 1                   # runs of every (case, mode); ratios are per-round medians
 
 
 class Bench:
@@ -161,14 +164,16 @@ class Bench:
                                           self.settings.n_threads or default_threads(),
                                           self.settings.n_gpu_layers, m.fixed_k or PEER_K)
 
-    def _run_mode(self, mode: Mode, case: Case, max_tokens: int, tag: str) -> Outcome:
+    def _run_mode(self, mode: Mode, case: Case, max_tokens: int, tag: str,
+                  cold: bool = True) -> Outcome:
         live = None
         if self.live is not None:
             live = lambda n, tps: self.live(f"{tag} {mode.name:<9} {n:>4} tokens {tps:6.1f} tok/s")
         if mode.is_peer:
             prompt = self.model.apply_chat_template(case.messages(), add_assistant=True)
             return self.peers[mode.name].run(prompt, self.settings.sampling, max_tokens, live)
-        return run_engine(self.engines[mode.name], case, self.settings.sampling, max_tokens, live)
+        return run_engine(self.engines[mode.name], case, self.settings.sampling, max_tokens, live,
+                          cold)
 
     def warm_up(self) -> None:
         """One short request per mode: pages the weights in, builds compute graphs and measures
@@ -191,15 +196,28 @@ class Bench:
             n_prompt = len(any_engine.tokenize_prompt(case.messages())) if any_engine else 0
             tag = f"[{i}/{len(cases)}] {case.id}"
             self.say(f"{tag} ({case.kind}, {n_prompt} prompt tokens, max {max_tokens})")
-            outs = {}
-            for mode in self.modes:       # interleaved: every mode of this case, then the next
-                out = outs[mode.name] = self._run_mode(mode, case, max_tokens, tag)
-                self.say(f"    {mode.name:<9} {out.generated_tokens:>4} tokens  ttft "
-                         f"{out.ttft_ms:7.0f} ms  {out.decode_tps:6.2f} tok/s")
+            rounds = []                   # per round: {mode name: Outcome}
+            for r in range(max(1, self.settings.rounds)):
+                # Every mode of this case, then the next case; later rounds reverse the order
+                # (plain-ngram, ngram-plain, ...) so a machine speeding up or slowing down during
+                # a case favours no mode, and reuse the prompt's KV rows (the peer's excepted):
+                # the first round's TTFT is the cold one reported.
+                order = self.modes if r % 2 == 0 else self.modes[::-1]
+                if r:
+                    self.say(f"    round {r + 1}/{self.settings.rounds}")
+                outs = {}
+                for mode in order:
+                    out = outs[mode.name] = self._run_mode(mode, case, max_tokens, tag, r == 0)
+                    self.say(f"    {mode.name:<9} {out.generated_tokens:>4} tokens  ttft "
+                             f"{out.ttft_ms:7.0f} ms  {out.decode_tps:6.2f} tok/s")
+                rounds.append(outs)
+            outs = rounds[0]
             plain, peer = outs.get("plain"), outs.get(peer_name)
             load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
             for mode in self.modes:
                 row = make_row(case, mode, n_prompt, outs[mode.name], plain, peer, greedy)
+                if len(rounds) > 1:
+                    merge_rounds(row, mode, rounds, peer_name)
                 row.load_avg = load
                 if row.identical is False and greedy and "plain" in self.engines:
                     self._explain(row, case, outs[mode.name], plain)

@@ -63,6 +63,12 @@ def _csv(_ctx, _param, value):
                    "without llamafile's tinyBLAS): speculative output is then plain output bit "
                    "for bit, at some speed. The peer runs on the same libraries. "
                    "Env: LOCALSPEC_EXACT=1.")
+@click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
+              help="Run every case this many times in every mode, the mode order reversed each "
+                   "round; tok/s and ratios are medians of the rounds (each round's ratio from "
+                   "runs made side by side), with their range. On a shared machine 3 rounds "
+                   "separate a few percent from noise; rounds after the first reuse the "
+                   "prompt's KV rows, so they cost decoding time only.")
 @click.option("--no-warmup", is_flag=True, help="Skip the warm-up request per mode.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write every row, the summary and the setup as JSON.")
@@ -70,7 +76,8 @@ def _csv(_ctx, _param, value):
               default=None, help="Also draw a bar chart of ratios to plain (needs matplotlib: "
                                  "pip install 'localspec[plot]').")
 def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature, seed, top_k,
-          top_p, min_p, n_ctx, threads, gpu_layers, rpc, exact, no_warmup, json_path, plot_path):
+          top_p, min_p, n_ctx, threads, gpu_layers, rpc, exact, rounds, no_warmup, json_path,
+          plot_path):
     """Benchmark decoding modes side by side on the same cases and the same model.
 
     Every case runs in every mode in one process, modes interleaved case by case after a warm-up,
@@ -82,6 +89,7 @@ def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature
       localspec bench                                   # 20 cases x plain,ngram,peer
       localspec bench --kinds chat --modes plain,ngram,ngram-k3 -n 64
       localspec bench --cases sum-with,chat-haiku --json out.json --plot out.png
+      localspec bench --modes plain,ngram --rounds 3   # medians: a noisy machine
     """
     if plot_path is not None:
         require_matplotlib()
@@ -96,7 +104,7 @@ def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature
     uses_draft = any(m.proposer in ("draft", "hybrid") for m in mode_list)
     settings = BenchSettings(target, draft if uses_draft else None, sampling, max_tokens, n_ctx,
                              threads, -1 if rpc and gpu_layers == 0 else gpu_layers, exact,
-                             warmup=not no_warmup, rpc=rpc)
+                             warmup=not no_warmup, rpc=rpc, rounds=rounds)
     say = lambda msg: click.echo(_clear_live() + msg, err=True)
     live = _live_writer() if sys.stderr.isatty() else None
     started = datetime.datetime.now(datetime.timezone.utc)
