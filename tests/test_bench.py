@@ -171,6 +171,26 @@ def test_rounds_give_medians_of_side_by_side_ratios(tiny_path, small_workloads):
     assert "rounds' range" in format_rows(rows)
 
 
+def test_a_repeat_round_reproduces_the_cold_round(tiny_path, small_workloads):
+    """Warm rounds re-evaluate the prompt's last prefill chunk with its cold batch shape: same
+    first logits, same output, without prefilling the whole prompt again."""
+    from localspec.bench.runner import run_engine
+    from localspec.engine import PREFILL_CHUNK
+    from localspec.sampling import SamplingParams
+
+    case = load_workloads(small_workloads, ids=["sum-pass"])[0]
+    with Bench(parse_modes("plain"), BenchSettings(str(tiny_path), n_ctx=2048)) as b:
+        engine = b.engines["plain"]
+        n_prompt = len(engine.tokenize_prompt(case.messages()))
+        assert n_prompt > PREFILL_CHUNK          # more than one chunk, so some rows are kept
+        cold = run_engine(engine, case, SamplingParams(), 16)
+        warm = run_engine(engine, case, SamplingParams(), 16, cold=False)
+        assert warm.tokens == cold.tokens
+        assert warm.stats.prefill_tokens == n_prompt - (n_prompt - 1) // PREFILL_CHUNK * \
+            PREFILL_CHUNK
+        assert cold.stats.prefill_tokens == n_prompt
+
+
 def test_merge_rounds_takes_the_median_of_per_round_ratios():
     from localspec.bench.report import make_row, merge_rounds
     from localspec.bench.runner import Mode

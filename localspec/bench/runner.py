@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 from .. import __version__
 from ..calibrate import load_or_measure
 from ..config import EngineConfig
-from ..engine import Engine
+from ..engine import PREFILL_CHUNK, Engine
 from ..errors import LocalspecError
 from ..factory import load_model
 from ..llama import default_threads, library_account, system_info
@@ -74,9 +74,10 @@ def run_engine(engine: Engine, case: Case, sampling: SamplingParams, max_tokens:
                live=None, cold: bool = True) -> Outcome:
     # Cold: forget the previous request's KV rows so the whole prompt is prefilled (the engine
     # would otherwise reuse the shared chat-template prefix), as the peer does after reset().
-    # Warm (a repeat round of the same case): the prompt's rows stay; decoding is the same work.
     if cold:
         engine.reset()
+    else:
+        keep_all_but_last_chunk(engine, len(engine.tokenize_prompt(case.messages())))
     ticker = Ticker(live)
     gen = engine.generate(case.messages(), sampling, max_tokens=max_tokens)
     t_iter = time.perf_counter()      # the generation loop (and its prefill clock) starts here
@@ -94,6 +95,15 @@ def run_engine(engine: Engine, case: Case, sampling: SamplingParams, max_tokens:
                    1000 * (end - ticker.t0), st.stop_reason, st)
 
 
+
+
+def keep_all_but_last_chunk(engine: Engine, n_prompt: int) -> None:
+    """A repeat round of the case the engine ran last: keep its prompt's KV rows except the last
+    prefill chunk, which the request then evaluates again with the batch shape it had when cold,
+    so the first logits row, and the output, are the cold round's bit for bit (the last token
+    decoded alone would round differently and can flip a near-tie). Decoding is the same work."""
+    step = min(PREFILL_CHUNK or engine.ctx.n_batch, engine.ctx.n_batch)
+    engine.ctx.truncate(max(0, (n_prompt - 1) // step * step))
 
 
 def plain_gap(engine: Engine, prompt_tokens: list, prefix: list) -> float:
@@ -220,7 +230,10 @@ class Bench:
                     merge_rounds(row, mode, rounds, peer_name)
                 row.load_avg = load
                 if row.identical is False and greedy and "plain" in self.engines:
-                    self._explain(row, case, outs[mode.name], plain)
+                    # where it parted from plain, in the first round where it did
+                    o = next((o for o in rounds if o[mode.name].tokens != o["plain"].tokens),
+                             outs)
+                    self._explain(row, case, o[mode.name], o["plain"])
                 self.rows.append(row)
             self.say("    => " + ", ".join(self._verdict(r) for r in self.rows[-len(self.modes):]
                                           if r.ratio is not None))
