@@ -210,8 +210,8 @@ class Bench:
             for r in range(max(1, self.settings.rounds)):
                 # Every mode of this case, then the next case; later rounds reverse the order
                 # (plain-ngram, ngram-plain, ...) so a machine speeding up or slowing down during
-                # a case favours no mode, and reuse the prompt's KV rows (the peer's excepted):
-                # the first round's TTFT is the cold one reported.
+                # a case favours no mode, and keep the prompt's KV rows but its last prefill
+                # chunk (the peer's excepted): the first round's TTFT is the cold one reported.
                 order = self.modes if r % 2 == 0 else self.modes[::-1]
                 if r:
                     self.say(f"    round {r + 1}/{self.settings.rounds}")

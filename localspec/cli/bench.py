@@ -67,8 +67,8 @@ def _csv(_ctx, _param, value):
               help="Run every case this many times in every mode, the mode order reversed each "
                    "round; tok/s and ratios are medians of the rounds (each round's ratio from "
                    "runs made side by side), with their range. On a shared machine 3 rounds "
-                   "separate a few percent from noise; rounds after the first reuse the "
-                   "prompt's KV rows, so they cost decoding time only.")
+                   "separate a few percent from noise; rounds after the first keep the "
+                   "prompt's KV rows but its last chunk, so they cost little more than decoding.")
 @click.option("--no-warmup", is_flag=True, help="Skip the warm-up request per mode.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write every row, the summary and the setup as JSON.")
