@@ -58,7 +58,10 @@ class Server:
         head = [sys.executable, "-c", code] if code else [sys.executable, "-m", "localspec"]
         self.proc = subprocess.Popen(
             head + ["serve", "--http", "127.0.0.1:0", "-m", str(model), "--threads", "1", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+            # a runner started in the background of a script ignores SIGINT, and so would the
+            # child: give it the default disposition, as a terminal's Ctrl-C finds it
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.port = None
         ready = threading.Event()
         threading.Thread(target=self._pump, args=(ready,), daemon=True).start()

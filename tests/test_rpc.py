@@ -42,7 +42,9 @@ def rpc_port(home):
     log = open(home / "rpc-server.txt", "w+b")
     proc = subprocess.Popen([sys.executable, "-m", "localspec", "rpc-server", "--port", str(port),
                              "--threads", "1"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "LOCALSPEC_HOME": str(home)})
+                            env={**os.environ, "LOCALSPEC_HOME": str(home)},
+                            # SIGINT as a terminal delivers it, even under a background runner
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while True:                          # ready once it answers the protocol's handshake
         try:
