@@ -66,8 +66,9 @@ def _csv(_ctx, _param, value):
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
               help="Run every case this many times in every mode, the mode order reversed each "
                    "round; tok/s and ratios are medians of the rounds (each round's ratio from "
-                   "runs made side by side), with their range. On a shared machine 3 rounds "
-                   "separate a few percent from noise; rounds after the first keep the "
+                   "runs made side by side), with their range. On a shared 2-core box one run of "
+                   "a short case moves by ~10%, a median of 3 by ~5%, of 9 by ~3-4% "
+                   "(docs/benchmarks.md); rounds after the first keep the "
                    "prompt's KV rows but its last chunk, so they cost little more than decoding.")
 @click.option("--no-warmup", is_flag=True, help="Skip the warm-up request per mode.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
