@@ -74,7 +74,7 @@ def state_numbers(model: Model, tokens: list, threads: int, repeats: int) -> dic
 
 def seq_cp_numbers(model: Model, tokens: list, threads: int, others: int, repeats: int) -> dict:
     """The alternative design, measured with llama_cpp directly: localspec does not implement
-    it (this script is its one caller), so it stays out of the localspec/llama package."""
+    it (this script is its one caller), so it stays out of localspec.llama."""
     import llama_cpp as C
 
     n = len(tokens)

@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import LocalspecError
-from ..files import check_gguf_magic
-from . import backend as _b
+from .errors import LocalspecError
+from .files import check_gguf_magic
+from . import llama as _b
 
 
 @dataclass(frozen=True)

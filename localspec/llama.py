@@ -1,5 +1,14 @@
-"""llama.cpp's process-wide side: which libraries load (and when), its log, its backend, build
-features, exact-mode kernels, quantizing. `C` is the llama_cpp module, imported on first use.
+"""The one door to llama.cpp: the only module that imports `llama_cpp` (upstream renames, kv_cache
+-> kv_self -> memory, cost this door only). Pinned to llama-cpp-python 0.3.36. Native resources
+have explicit lifetimes (`close()` / context managers, context before model), never `__del__`.
+
+    llama.py           which libraries load and when (`C`, the llama_cpp module, imported on first
+                       use), the log, the backend, build features, exact-mode kernels, quantizing;
+                       re-exports Model and Context
+    llama_model.py     Model: loading, vocabulary, tokenizing, chat templates
+    llama_context.py   Context: batched decode, the tracked tokens and prefix sync, rollback, states
+
+The two halves reach llama.cpp only through `llama.C`; import them through this module.
 """
 
 from __future__ import annotations
@@ -11,8 +20,8 @@ import sys
 from typing import Optional
 
 
-from .. import libs
-from ..errors import LocalspecError
+from . import libs
+from .errors import LocalspecError
 
 
 class _NotLoaded:
@@ -215,3 +224,8 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS
         return max(1, os.cpu_count() or 1)
+
+
+# The two halves of the door, re-exported (imported last: they use the names above through `C`).
+from .llama_context import Context, ContextParams  # noqa: E402, F401
+from .llama_model import Model, ModelParams  # noqa: E402, F401

@@ -9,9 +9,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import LocalspecError
-from . import backend as _b
-from .model import Model
+from .errors import LocalspecError
+from . import llama as _b
+from .llama_model import Model
 
 
 @dataclass(frozen=True)
