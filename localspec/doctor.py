@@ -38,8 +38,7 @@ def device_lines() -> list:
     ]
 
 
-GPU_BACKENDS = ("CUDA", "Metal", "METAL", "Vulkan", "VULKAN", "HIP", "ROCm", "SYCL", "CANN",
-                "OpenCL", "MUSA")
+GPU_BACKENDS = ("CUDA", "METAL", "VULKAN", "HIP", "ROCM", "SYCL", "CANN", "OPENCL", "MUSA")
 
 
 def gpu_offload_line(features: str) -> str:
@@ -47,7 +46,7 @@ def gpu_offload_line(features: str) -> str:
     to other hosts); say which it is."""
     if not supports_gpu_offload():
         return "no (CPU build)"
-    if any(name in features for name in GPU_BACKENDS):
+    if any(name in features.upper() for name in GPU_BACKENDS):
         return "yes"
     return "no GPU backend in this build; layers can go to RPC servers (--rpc)"
 

@@ -128,7 +128,7 @@ class Context:
         if not self.truncate(min(common, len(tokens) - 1)):
             self.clear()              # the memory refuses partial removal: start over
         reused = self.n_past
-        step = min(chunk or self.n_batch, self.n_batch)
+        step = self._chunk(chunk)
         while len(tokens) - self.n_past > step:   # whole chunks before the last: no logits
             if stop is not None and stop.is_set():
                 return None, reused
@@ -136,6 +136,16 @@ class Context:
         if stop is not None and stop.is_set():
             return None, reused
         return self.decode(tokens[self.n_past:], logits="last")[0], reused
+
+    def last_chunk_start(self, n_tokens: int, chunk: int = 0) -> int:
+        """Where sync() of n_tokens into an empty cache starts its last decode call, the one whose
+        logits row it returns: truncating there and syncing the same tokens again repeats that
+        call with the same batch shape, so the same logits bit for bit."""
+        step = self._chunk(chunk)
+        return max(0, (n_tokens - 1) // step * step)
+
+    def _chunk(self, chunk: int) -> int:
+        return min(chunk or self.n_batch, self.n_batch)
 
     def truncate(self, n_keep: int) -> bool:
         """Drop KV rows at positions >= n_keep. Returns False when the model's memory refuses a

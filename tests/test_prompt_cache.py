@@ -441,7 +441,7 @@ def test_named_session_round_trip_and_mismatch(tiny_model, draft_model, tmp_path
 
 WORKER = textwrap.dedent("""
     import sys
-    from localspec.llama import Context, ContextParams, Model, system_info
+    from localspec.llama import Context, ContextParams, Model
     from localspec.prompt_cache import PromptCache
     model_path, folder, me = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with Model(model_path) as model, Context(model, ContextParams(n_ctx=1024, n_threads=1)) as ctx:

@@ -102,8 +102,7 @@ def keep_all_but_last_chunk(engine: Engine, n_prompt: int) -> None:
     prefill chunk, which the request then evaluates again with the batch shape it had when cold,
     so the first logits row, and the output, are the cold round's bit for bit (the last token
     decoded alone would round differently and can flip a near-tie). Decoding is the same work."""
-    step = min(PREFILL_CHUNK or engine.ctx.n_batch, engine.ctx.n_batch)
-    engine.ctx.truncate(max(0, (n_prompt - 1) // step * step))
+    engine.ctx.truncate(engine.ctx.last_chunk_start(n_prompt, PREFILL_CHUNK))
 
 
 def plain_gap(engine: Engine, prompt_tokens: list, prefix: list) -> float:
