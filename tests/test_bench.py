@@ -174,7 +174,7 @@ def test_rounds_give_medians_of_side_by_side_ratios(tiny_path, small_workloads):
 def test_a_repeat_round_reproduces_the_cold_round(tiny_path, small_workloads):
     """Warm rounds re-evaluate the prompt's last prefill chunk with its cold batch shape: same
     first logits, same output, without prefilling the whole prompt again."""
-    from localspec.bench.runner import run_engine
+    from localspec.bench.engine_run import run_engine
     from localspec.engine import PREFILL_CHUNK
     from localspec.sampling import SamplingParams
 
@@ -189,6 +189,62 @@ def test_a_repeat_round_reproduces_the_cold_round(tiny_path, small_workloads):
         assert warm.stats.prefill_tokens == n_prompt - (n_prompt - 1) // PREFILL_CHUNK * \
             PREFILL_CHUNK
         assert cold.stats.prefill_tokens == n_prompt
+
+
+def test_lockstep_takes_turns_by_tokens_and_times_each_mode_alone(tiny_path, small_workloads,
+                                                                  monkeypatch):
+    """Modes in lockstep write what they write alone; the one behind in tokens always goes next;
+    each mode's time is its own turns only, so the times add up to no more than the wall clock."""
+    import time
+
+    from localspec.bench import engine_run
+    from localspec.sampling import SamplingParams
+
+    turns, runs = [], []               # per turn: (the run going, {run: (tokens, done)})
+    real_turn = engine_run.EngineRun.turn
+
+    def logged(self):
+        if self not in runs:
+            runs.append(self)
+        turns.append((self, {r: (r.n_tokens, r.done) for r in runs}))
+        return real_turn(self)
+
+    case = load_workloads(small_workloads, ids=["sum-pass"])[0]
+    settings = BenchSettings(str(tiny_path), n_ctx=2048, warmup=False)
+    with Bench(parse_modes("plain,ngram-k2"), settings) as b:
+        alone = {m: engine_run.run_engine(e, case, SamplingParams(), 24)
+                 for m, e in b.engines.items()}
+        monkeypatch.setattr(engine_run.EngineRun, "turn", logged)
+        t0 = time.perf_counter()
+        outs = engine_run.run_lockstep(b.engines, case, SamplingParams(), 24)
+        wall_ms = 1000 * (time.perf_counter() - t0)
+    assert len(runs) == 2 and turns[0][0] is runs[0] and turns[1][0] is runs[1]  # prefills
+    for run, state in turns[2:]:
+        other = next(r for r in runs if r is not run)
+        assert state[other][1] or state[run][0] <= state[other][0]    # the one behind goes
+    assert all(r.done for r in runs)
+    # they took turns through the text, not one after the other
+    switches = sum(a[0] is not b[0] for a, b in zip(turns, turns[1:]))
+    assert switches >= min(o.generated_tokens for o in outs.values()) // 3
+    for mode, out in outs.items():
+        assert out.tokens == alone[mode].tokens and out.stop_reason == alone[mode].stop_reason
+        assert 0 < out.ttft_ms <= out.total_ms
+        assert out.stats.prefill_tokens == out.stats.prompt_tokens       # cold
+    assert sum(o.total_ms for o in outs.values()) <= wall_ms
+
+
+def test_bench_lockstep_rounds_match_plain(tiny_path, small_workloads):
+    settings = BenchSettings(str(tiny_path), max_tokens=12, n_ctx=2048, warmup=False, rounds=2,
+                             lockstep=True)
+    lines = []
+    with Bench(parse_modes("plain,ngram-k2"), settings, say=lines.append) as b:
+        rows = b.run(load_workloads(small_workloads, ids=["chat-hi", "sum-pass"]))
+    assert sum("plain+ngram-k2 in lockstep" in s for s in lines) == 2
+    assert sum("ngram-k2+plain in lockstep" in s for s in lines) == 2   # round 2 reversed
+    for r in rows:
+        assert r.rounds == 2 and r.decode_tps > 0
+        if r.mode == "ngram-k2":
+            assert r.identical is True and r.ratio_range[0] <= r.ratio <= r.ratio_range[1]
 
 
 def test_merge_rounds_takes_the_median_of_per_round_ratios():

@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -16,15 +15,16 @@ from typing import Callable, Optional, Sequence
 from .. import __version__
 from ..calibrate import load_or_measure
 from ..config import EngineConfig
-from ..engine import PREFILL_CHUNK, Engine
+from ..engine import Engine
 from ..errors import LocalspecError
 from ..factory import load_model
 from ..llama import default_threads, library_account, system_info
 from ..policy import PolicyConfig
 from ..sampling import SamplingParams, top2_gap
+from .engine_run import run_engine, run_lockstep
 from .peer import PEER_K, Peer
 from .report import Row, first_difference, make_row, merge_rounds, summarize
-from .timing import Outcome, Ticker
+from .timing import Outcome
 from .workloads import Case
 
 WARMUP_PROMPT = "Write one sentence about the sea."
@@ -68,43 +68,6 @@ def parse_modes(text: str) -> list:
     return modes
 
 
-
-
-def run_engine(engine: Engine, case: Case, sampling: SamplingParams, max_tokens: int,
-               live=None, cold: bool = True) -> Outcome:
-    # Cold: forget the previous request's KV rows so the whole prompt is prefilled (the engine
-    # would otherwise reuse the shared chat-template prefix), as the peer does after reset().
-    if cold:
-        engine.reset()
-    else:
-        keep_all_but_last_chunk(engine, len(engine.tokenize_prompt(case.messages())))
-    ticker = Ticker(live)
-    gen = engine.generate(case.messages(), sampling, max_tokens=max_tokens)
-    t_iter = time.perf_counter()      # the generation loop (and its prefill clock) starts here
-    for _ in gen:
-        ticker.tick(len(gen.tokens))
-    end = time.perf_counter()
-    st = gen.stats
-    # First token = end of prefill, not first piece: text is held back while it could be an
-    # incomplete UTF-8 sequence or the start of a stop string, which is not decoding time.
-    first = min(end, t_iter + st.prefill_ms / 1000)
-    if cold and st.prefill_tokens != st.prompt_tokens:
-        raise RuntimeError(f"{case.id}: the request reused {st.prompt_tokens - st.prefill_tokens} "
-                           "KV rows; timings would not be cold.")
-    return Outcome(gen.text, list(gen.tokens), len(gen.tokens), 1000 * (first - ticker.t0),
-                   1000 * (end - ticker.t0), st.stop_reason, st)
-
-
-
-
-def keep_all_but_last_chunk(engine: Engine, n_prompt: int) -> None:
-    """A repeat round of the case the engine ran last: keep its prompt's KV rows except the last
-    prefill chunk, which the request then evaluates again with the batch shape it had when cold,
-    so the first logits row, and the output, are the cold round's bit for bit (the last token
-    decoded alone would round differently and can flip a near-tie). Decoding is the same work."""
-    engine.ctx.truncate(engine.ctx.last_chunk_start(n_prompt, PREFILL_CHUNK))
-
-
 def plain_gap(engine: Engine, prompt_tokens: list, prefix: list) -> float:
     """Top-2 logit gap of the target after prompt + prefix (one batched prefill, so its logits
     may differ slightly from the one-token decodes plain used; cheap, and close enough to spot
@@ -126,6 +89,7 @@ class BenchSettings:
     rpc: tuple = ()                   # `localspec rpc-server`s holding the offloaded layers
     warmup: bool = True
     rounds: int = 1                   # runs of every (case, mode); ratios are per-round medians
+    lockstep: bool = False            # engine modes of a case decode turn about (engine_run.py)
 
 
 class Bench:
@@ -184,6 +148,21 @@ class Bench:
         return run_engine(self.engines[mode.name], case, self.settings.sampling, max_tokens, live,
                           cold)
 
+    def _run_round(self, order: Sequence[Mode], case: Case, max_tokens: int, tag: str,
+                   cold: bool) -> dict:
+        """{mode name: Outcome} for one round: one mode after another, or with --lockstep the
+        engine modes together, taking turns (the peers still one after another)."""
+        together = [m for m in order if not m.is_peer] if self.settings.lockstep else []
+        outs = {}
+        if len(together) > 1:
+            self.say(f"    {'+'.join(m.name for m in together)} in lockstep")
+            outs = run_lockstep({m.name: self.engines[m.name] for m in together}, case,
+                                self.settings.sampling, max_tokens, cold)
+        for mode in order:
+            if mode.name not in outs:
+                outs[mode.name] = self._run_mode(mode, case, max_tokens, tag, cold)
+        return outs
+
     def warm_up(self) -> None:
         """One short request per mode: pages the weights in, builds compute graphs and measures
         (or loads) the verify cost curve the adaptive policy needs."""
@@ -214,9 +193,9 @@ class Bench:
                 order = self.modes if r % 2 == 0 else self.modes[::-1]
                 if r:
                     self.say(f"    round {r + 1}/{self.settings.rounds}")
-                outs = {}
+                outs = self._run_round(order, case, max_tokens, tag, r == 0)
                 for mode in order:
-                    out = outs[mode.name] = self._run_mode(mode, case, max_tokens, tag, r == 0)
+                    out = outs[mode.name]
                     self.say(f"    {mode.name:<9} {out.generated_tokens:>4} tokens  ttft "
                              f"{out.ttft_ms:7.0f} ms  {out.decode_tps:6.2f} tok/s")
                 rounds.append(outs)
@@ -312,5 +291,6 @@ def setup_record(b: Bench, settings: BenchSettings, started) -> dict:
         "llama_cpp_system_info": system_info(), "llama_cpp_libraries": library_account(),
         "sampling": asdict(settings.sampling), "max_tokens_cap": settings.max_tokens,
         "n_ctx": settings.n_ctx, "n_gpu_layers": settings.n_gpu_layers,
+        "rounds": settings.rounds, "lockstep": settings.lockstep,
         "verify_cost_curve": curve,
     }

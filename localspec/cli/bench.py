@@ -70,6 +70,11 @@ def _csv(_ctx, _param, value):
                    "a short case moves by ~10%, a median of 3 by ~5%, of 9 by ~3-4% "
                    "(docs/benchmarks.md); rounds after the first keep the "
                    "prompt's KV rows but its last chunk, so they cost little more than decoding.")
+@click.option("--lockstep", is_flag=True,
+              help="Run the engine modes of a case together, taking turns a step or so at a "
+                   "time (the one with fewer tokens goes next), each timed only during its own "
+                   "turns: drift of a shared machine hits every mode alike, so small differences "
+                   "show in fewer rounds. Peers still run one after another.")
 @click.option("--no-warmup", is_flag=True, help="Skip the warm-up request per mode.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write every row, the summary and the setup as JSON.")
@@ -77,8 +82,8 @@ def _csv(_ctx, _param, value):
               default=None, help="Also draw a bar chart of ratios to plain (needs matplotlib: "
                                  "pip install 'localspec[plot]').")
 def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature, seed, top_k,
-          top_p, min_p, n_ctx, threads, gpu_layers, rpc, exact, rounds, no_warmup, json_path,
-          plot_path):
+          top_p, min_p, n_ctx, threads, gpu_layers, rpc, exact, rounds, lockstep, no_warmup,
+          json_path, plot_path):
     """Benchmark decoding modes side by side on the same cases and the same model.
 
     Every case runs in every mode in one process, modes interleaved case by case after a warm-up,
@@ -91,6 +96,7 @@ def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature
       localspec bench --kinds chat --modes plain,ngram,ngram-k3 -n 64
       localspec bench --cases sum-with,chat-haiku --json out.json --plot out.png
       localspec bench --modes plain,ngram --rounds 3   # medians: a noisy machine
+      localspec bench --modes plain,ngram --lockstep --rounds 3   # and drift cancelled
     """
     if plot_path is not None:
         require_matplotlib()
@@ -105,7 +111,8 @@ def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature
     uses_draft = any(m.proposer in ("draft", "hybrid") for m in mode_list)
     settings = BenchSettings(target, draft if uses_draft else None, sampling, max_tokens, n_ctx,
                              threads, -1 if rpc and gpu_layers == 0 else gpu_layers, exact,
-                             warmup=not no_warmup, rpc=rpc, rounds=rounds)
+                             warmup=not no_warmup, rpc=rpc, rounds=rounds,
+                             lockstep=lockstep)
     say = lambda msg: click.echo(_clear_live() + msg, err=True)
     live = _live_writer() if sys.stderr.isatty() else None
     started = datetime.datetime.now(datetime.timezone.utc)
