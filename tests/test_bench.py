@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -79,6 +80,8 @@ def test_load_workloads_filters_and_one_line_errors(small_workloads, tmp_path):
         read_source({"python": "textwrap:nothing"})
     with pytest.raises(LocalspecError, match="no pydoc topic"):
         read_source({"pydoc_topic": "no-such-topic"})
+    import textwrap
+    assert read_source({"python": "textwrap"}) == Path(textwrap.__file__).read_text()
 
 
 # -- modes and maths -------------------------------------------------------------------------------

@@ -45,14 +45,15 @@ class Case:
 
 def read_source(source: Optional[dict]) -> Optional[str]:
     """The text a case quotes, read from the running interpreter: {"python": "module:qualname"}
-    -> inspect.getsource of that object; {"pydoc_topic": name} -> pydoc_data.topics.topics[name]."""
+    -> inspect.getsource of that object ({"python": "module"}: the whole module);
+    {"pydoc_topic": name} -> pydoc_data.topics.topics[name]."""
     if source is None:
         return None
     if "python" in source:
         module_name, _, qualname = source["python"].partition(":")
         try:
             obj = importlib.import_module(module_name)
-            for part in qualname.split("."):
+            for part in filter(None, qualname.split(".")):     # "module" alone: all of it
                 obj = getattr(obj, part)
             return inspect.getsource(obj)
         except (ImportError, AttributeError, OSError, TypeError) as e:
