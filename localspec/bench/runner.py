@@ -1,5 +1,6 @@
-"""The benchmark run: decoding modes, one timed request per (case, mode) interleaved case by case,
-and the setup record. Measures and asserts nothing; report.py turns its rows into tables.
+"""The benchmark run: decoding modes, one timed request per (case, mode) interleaved case by case
+(or the engine modes of a case in lockstep, engine_run.py), rounds, and the setup record.
+Measures and asserts nothing; report.py turns its rows into tables.
 """
 
 from __future__ import annotations
