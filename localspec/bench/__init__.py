@@ -1,6 +1,7 @@
 """`localspec bench`'s engine room: workloads (the cases and prompt shape), runner (modes, timed
-runs interleaved case by case), engine_run (one timed request, or modes in lockstep), peer (llama-cpp-python's prompt lookup, the thing compared
-against), timing (the shared timing rules) and report (rows, summaries, tables, plot).
+runs interleaved case by case), engine_run (one timed request, or modes in lockstep), peer
+(llama-cpp-python's prompt lookup, the thing compared against), timing (the shared timing rules)
+and report (rows, summaries, tables, plot).
 """
 
 from .engine_run import run_engine, run_lockstep
