@@ -236,6 +236,34 @@ def test_lockstep_takes_turns_by_tokens_and_times_each_mode_alone(tiny_path, sma
     assert sum(o.total_ms for o in outs.values()) <= wall_ms
 
 
+def test_ctrl_c_in_lockstep_ends_both_requests_cleanly(tiny_path, small_workloads, monkeypatch):
+    """An interrupt inside one mode's turn ends the other request too, at once: both contexts
+    keep only rows that match what they emitted, and the next run writes the same text."""
+    from localspec.bench import engine_run
+    from localspec.sampling import SamplingParams
+
+    case = load_workloads(small_workloads, ids=["sum-pass"])[0]
+    with Bench(parse_modes("plain,ngram-k2"), BenchSettings(str(tiny_path), n_ctx=2048)) as b:
+        before = engine_run.run_lockstep(b.engines, case, SamplingParams(), 16)
+        real_turn, calls = engine_run.EngineRun.turn, []
+
+        def interrupted(self):
+            calls.append(self)
+            if len(calls) == 7:
+                raise KeyboardInterrupt
+            return real_turn(self)
+
+        monkeypatch.setattr(engine_run.EngineRun, "turn", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine_run.run_lockstep(b.engines, case, SamplingParams(), 16)
+        assert all(r.gen._run.gi_frame is None for r in calls)       # both generators ended
+        for e in b.engines.values():
+            assert e.ctx.rows_held() == e.ctx.n_past                 # no stray KV rows
+        monkeypatch.setattr(engine_run.EngineRun, "turn", real_turn)
+        after = engine_run.run_lockstep(b.engines, case, SamplingParams(), 16)
+    assert {m: o.tokens for m, o in after.items()} == {m: o.tokens for m, o in before.items()}
+
+
 def test_bench_lockstep_rounds_match_plain(tiny_path, small_workloads):
     settings = BenchSettings(str(tiny_path), max_tokens=12, n_ctx=2048, warmup=False, rounds=2,
                              lockstep=True)

@@ -61,6 +61,11 @@ class EngineRun:
         self.active_ms += 1000 * (time.perf_counter() - t0)
         return not self.done
 
+    def close(self) -> None:
+        """End the request where it is (its engine keeps only KV rows that match its output);
+        nothing happens if it has ended."""
+        self._pieces.close()
+
     def outcome(self) -> Outcome:
         st = self.gen.stats
         if self.cold and st.prefill_tokens != st.prompt_tokens:
@@ -91,10 +96,16 @@ def run_lockstep(engines: dict, case: Case, sampling: SamplingParams, max_tokens
     """{mode name: Engine} -> {mode name: Outcome}: each prefills in turn, then the one with
     the fewest tokens so far decodes next (ties: the earlier in `engines`) until all have
     ended. The engines must not share a context (they share the model)."""
-    runs = {name: EngineRun(e, case, sampling, max_tokens, cold) for name, e in engines.items()}
-    going = [r for r in runs.values() if r.turn()]
-    while going:
-        run = min(going, key=lambda r: r.n_tokens)
-        if not run.turn():
-            going.remove(run)
+    runs = {}
+    try:
+        for name, e in engines.items():
+            runs[name] = EngineRun(e, case, sampling, max_tokens, cold)
+        going = [r for r in runs.values() if r.turn()]
+        while going:
+            run = min(going, key=lambda r: r.n_tokens)
+            if not run.turn():
+                going.remove(run)
+    finally:   # Ctrl-C or an error in one: end the others now, while their contexts are open
+        for r in runs.values():
+            r.close()
     return {name: r.outcome() for name, r in runs.items()}
