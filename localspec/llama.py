@@ -19,7 +19,6 @@ import re
 import sys
 from typing import Optional
 
-
 from . import libs
 from .errors import LocalspecError
 
