@@ -130,15 +130,14 @@ class ChatSession:
                                        stop=self.config.stop, cancel=cancel)
         except KeyboardInterrupt:     # before the first token (tokenizing, calibrating)
             return Reply("", GenerationStats(stop_reason="cancelled"), True, dropped, budget)
-        pieces = iter(gen)
         interrupted = False
         try:
-            for piece in pieces:
+            for piece in gen:
                 on_piece(piece)
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            pieces.close()   # runs the engine's cleanup now: KV = prompt + emitted tokens
+            gen.close()      # runs the engine's cleanup now: KV = prompt + emitted tokens
             self._record(gen.stats)
         interrupted = interrupted or gen.stats.stop_reason == "cancelled"
         if gen.text or not interrupted:

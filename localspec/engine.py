@@ -65,6 +65,12 @@ class Generation:
     def __iter__(self) -> Iterator[str]:
         yield from self._run
 
+    def close(self) -> None:
+        """End the request where it is, now rather than whenever Python collects it: the engine's
+        cleanup runs at once (its KV keeps the prompt and the tokens emitted so far). No-op once
+        the request has ended."""
+        self._run.close()
+
     def complete(self) -> str:
         for _ in self:
             pass

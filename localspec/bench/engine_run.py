@@ -62,9 +62,7 @@ class EngineRun:
         return not self.done
 
     def close(self) -> None:
-        """End the request where it is (its engine keeps only KV rows that match its output);
-        nothing happens if it has ended."""
-        self._pieces.close()
+        self.gen.close()
 
     def outcome(self) -> Outcome:
         st = self.gen.stats
