@@ -61,9 +61,6 @@ class EngineRun:
         self.active_ms += 1000 * (time.perf_counter() - t0)
         return not self.done
 
-    def close(self) -> None:
-        self.gen.close()
-
     def outcome(self) -> Outcome:
         st = self.gen.stats
         if self.cold and st.prefill_tokens != st.prompt_tokens:
@@ -105,5 +102,5 @@ def run_lockstep(engines: dict, case: Case, sampling: SamplingParams, max_tokens
                 going.remove(run)
     finally:   # Ctrl-C or an error in one: end the others now, while their contexts are open
         for r in runs.values():
-            r.close()
+            r.gen.close()
     return {name: r.outcome() for name, r in runs.items()}
