@@ -12,10 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import numpy as np
 
-from .acceptance import (AcceptanceConfig, AcceptanceModel, DraftFeatures, RequestState,
-                         expected_by_k)
+from .acceptance import AcceptanceConfig, AcceptanceModel, DraftFeatures, RequestState
 from .costmodel import CostModel
 from .policy import DraftPolicy
 
@@ -118,21 +116,29 @@ class AdaptivePolicy:
         """k for a draft model's proposal (DraftProposer asks before it drafts)."""
         return self.draft.choose_k(source, available, probe)
 
-    def predict(self, f: DraftFeatures) -> np.ndarray:
+    def predict(self, f: DraftFeatures) -> list:
+        """p_0..p_{n-1} of the proposal's positions (n capped by k_max)."""
         n = min(len(f.tokens), self.config.k_max, self.cost.k_max)
-        base = self.acceptance.base_logits(f, n, self.state) if n > 0 else np.zeros(0)
+        base = self.acceptance.base_logits(f, n, self.state) if n > 0 else []
         self._seen = (f, base)          # observe_step() reuses it for the same proposal
-        return self.acceptance.predict(f, n, self.state, base)
+        return self.acceptance.probs(base)
 
     def choose_draft(self, f: DraftFeatures) -> int:
         if self.config.fixed_k is not None:
             return max(0, min(self.config.fixed_k, len(f.tokens)))
         p = self.predict(f)             # also when off: the plain step learns from it
-        if not self.guard.allows() or len(p) == 0:
+        if not self.guard.allows() or not p:
             return 0
-        gain = expected_by_k(p) / self.cost.ratio_array()[1:len(p) + 1]
-        k = int(np.argmax(gain))
-        return k + 1 if gain[k] > self.config.min_gain else 0
+        # argmax over k of E(k) / r(k), E(k) = 1 + p_0 + p_0 p_1 + ... (expected_by_k), in
+        # floats: 1-16 positions, every step
+        r = self.cost.ratio_list()
+        best_k, best, run, e = 0, self.config.min_gain, 1.0, 1.0
+        for k, pk in enumerate(p, 1):
+            run *= pk
+            e += run
+            if e / r[k] > best:
+                best_k, best = k, e / r[k]
+        return best_k
 
     def observe_step(self, f: Optional[DraftFeatures], k: int, n_accepted: int,
                      emitted: Sequence[int], verify_ms: Optional[float] = None,

@@ -32,7 +32,7 @@ class CostConfig:
     noisy_prior_weight: float = 1.0   # ... when its calibration rounds disagreed
     decay: float = 0.99           # per observation: a half-life of ~69 steps
     clip: float = math.log(3.0)   # |log residual| cap: one descheduled step is not a trend
-    solve_every: int = 4          # observations between re-fits (each is ~15 numpy calls)
+    solve_every: int = 16         # observations between re-fits (each is ~40 numpy calls)
     slope_weight: float = 1.0     # observations the prior's overall steepness is worth
 
 
@@ -65,6 +65,8 @@ class CostModel:
         self._s = self._p.copy()                     # current s_k
         self._b = self._b0
         self._r = self.prior.copy()                  # current r(k)
+        self._rl = self._r.tolist()
+        self._pending: list = []                     # (k, log ms) observed since the last solve
         self._dirty = False
         self._solved_at = 0
         self.n_observed = 0
@@ -84,7 +86,12 @@ class CostModel:
         return float(self.ratio_array()[k])
 
     def ratios(self) -> list:
-        return self.ratio_array().tolist()
+        return list(self.ratio_list())
+
+    def ratio_list(self) -> list:
+        """ratio_array() as floats (for per-step loops); do not modify."""
+        self._refresh()
+        return self._rl
 
     def ratio_array(self) -> np.ndarray:
         """[k_max + 1] current r(0..k_max); do not modify."""
@@ -105,10 +112,7 @@ class CostModel:
         if self._b is not None:   # clip against the prediction as of the last solve
             pred = self._b + self._s[k]
             y = pred + max(-c.clip, min(c.clip, y - pred))
-        self._w *= c.decay
-        self._sy *= c.decay
-        self._w[k] += 1.0
-        self._sy[k] += y
+        self._pending.append((k, y))    # decayed into _w, _sy at the next solve
         self.n_observed += 1
         self._dirty = True
 
@@ -124,6 +128,7 @@ class CostModel:
         lam p_k) / (W_k + lam); putting that back leaves a weighted mean for b in which k > 0
         counts with v_k = W_k lam^2 / (W_k + lam)^2 (large W_k: s_k explains it, not b)."""
         self._dirty, self._solved_at = False, self.n_observed
+        self._fold_pending()
         lam, w = self._lam, self._w
         seen = w > 0
         m = np.divide(self._sy, w, out=np.zeros_like(w), where=seen)
@@ -137,6 +142,19 @@ class CostModel:
         s[0] = 0.0
         self._b, self._s = b, s
         self._r = np.maximum(1.0, np.exp(s))
+        self._rl = self._r.tolist()
+
+    def _fold_pending(self) -> None:
+        """Each observation decays the earlier ones by `decay`: the pending ones in one go (the
+        j-th of m carries decay^(m-1-j)), not two array updates per step."""
+        d, m = self.config.decay, len(self._pending)
+        self._w *= d ** m
+        self._sy *= d ** m
+        for j, (k, y) in enumerate(self._pending):
+            f = d ** (m - 1 - j)
+            self._w[k] += f
+            self._sy[k] += f * y
+        self._pending.clear()
 
     def _solve_b(self, m, w, seen, lam):
         """The least-squares b for the current priors (None: nothing to go on)."""

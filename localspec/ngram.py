@@ -77,6 +77,19 @@ def _as_tokens(tokens, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def _small_int_list(tokens):
+    """The per-step path of append(): a short list of ints straight into a C array (numpy's
+    conversion and checks cost more than the append itself, ~10x measured); None: anything
+    else, for _as_tokens. Negative ids are left to the C code's check, as for int32 arrays."""
+    if type(tokens) is not list or len(tokens) > 64 or \
+            not all(type(t) is int for t in tokens):
+        return None
+    try:
+        return ffi.new("int32_t[]", tokens)
+    except OverflowError:           # > 2**31 - 1: _as_tokens says so in its words
+        return None
+
+
 class NgramIndex:
     """Incremental prompt-lookup index over a token history plus an optional lookup document.
 
@@ -126,8 +139,12 @@ class NgramIndex:
     def append(self, tokens) -> None:
         """Append accepted tokens (ints >= 0); all or nothing. Grows the capacity if needed."""
         history = self._live()
-        arr = _as_tokens(tokens, "append")
-        need = lib.lsng_len(history) + len(arr)
+        buf = _small_int_list(tokens)
+        if buf is None:
+            arr = _as_tokens(tokens, "append")
+            buf = ffi.from_buffer("int32_t[]", arr)
+        n = len(buf)
+        need = lib.lsng_len(history) + n
         capacity = lib.lsng_capacity(history)
         if need > capacity:
             if need > MAX_CAPACITY:
@@ -136,7 +153,7 @@ class NgramIndex:
             while capacity < need:
                 capacity = min(2 * capacity, MAX_CAPACITY)
             self._grow(capacity)
-        rc = lib.lsng_append(self._history, ffi.from_buffer("int32_t[]", arr), len(arr))
+        rc = lib.lsng_append(self._history, buf, n)
         _check(rc, "append")
 
     def _grow(self, capacity: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import math
 
 import numpy as np
 import pytest
@@ -192,6 +193,44 @@ def test_timings_showing_k3_costs_twice_the_cache_change_the_choice():
     learned.start()
     learned.state = RequestState(streak=10, recent=0.9)
     assert learned.choose_draft(f) == 2
+
+
+def test_choice_of_k_is_the_argmax_of_expected_tokens_over_cost():
+    """choose_draft's float loop against the definition: argmax_k E(k) / r(k) over numpy
+    arrays (expected_by_k), plain when the best is not above min_gain."""
+    rng = np.random.default_rng(1)
+    for curve in (EPYC, XEON):
+        policy = AdaptivePolicy(CostModel(curve, MS, CostConfig(online=False)), AdaptiveConfig())
+        for _ in range(300):
+            n = int(rng.integers(1, 17))
+            agree = np.sort(rng.integers(0, 9, n))[::-1].tolist()
+            f = DraftFeatures(list(range(n)), "history", int(rng.integers(1, 9)),
+                              n_occ=max(agree[0], int(rng.integers(1, 9))), agree=agree)
+            policy.state = RequestState(streak=int(rng.integers(0, 40)), recent=float(rng.random()))
+            p = np.asarray(policy.predict(f))
+            gain = acceptance.expected_by_k(p) / np.asarray(curve)[1:n + 1]
+            want = int(np.argmax(gain)) + 1 if gain.max() > 1.0 else 0
+            assert policy.choose_draft(f) == want
+
+
+def test_cost_model_decays_observations_the_same_in_batches():
+    """observe() defers the decay to the next solve; the weights must be those of decaying at
+    every observation."""
+    cm = CostModel(EPYC, MS, CostConfig(solve_every=7))
+    w, sy = np.zeros(len(EPYC)), np.zeros(len(EPYC))
+    rng = np.random.default_rng(2)
+    for step in range(100):
+        k = int(rng.integers(0, 5))
+        ms = MS * EPYC[k] * float(rng.uniform(0.9, 1.1))
+        cm.observe(k, ms)
+        cm.ratio(1)                                       # solves every 7th observation
+        w *= cm.config.decay
+        sy *= cm.config.decay
+        w[k] += 1.0
+        sy[k] += math.log(ms)    # within the clip: the same y as observe() keeps
+    cm._solve()
+    np.testing.assert_allclose(cm._w, w, rtol=1e-12)
+    np.testing.assert_allclose(cm._sy, sy, rtol=1e-12)
 
 
 # -- regret guard ----------------------------------------------------------------------------
