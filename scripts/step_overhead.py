@@ -17,6 +17,13 @@ A scripted proposer makes every step draft exactly k tokens:
     ... --profile N       cProfile a k=N accept run of each step; top functions by own time
     ... --json out.json
     python scripts/step_overhead.py --rows 151936 [--ks ...]   # verification alone, no model
+    python scripts/step_overhead.py MODEL.gguf --adaptive [--threads 2] [--reps 3]
+
+--adaptive: what the n-gram mode itself costs per step on the CPU, where the policy mostly
+drafts nothing (chat): plain decoding and the real n-gram proposer with the adaptive policy,
+interleaved prompt by prompt, on three chat questions; "overhead" is then the step's Python
+(proposer, policy, learning, sampling, bookkeeping) and the loop around it. "same" may read
+NO there: greedy speculation can part from plain at a near-tie (README, "Exactness").
 """
 
 from __future__ import annotations
@@ -166,6 +173,44 @@ def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
     return samples, tokens == reference, prof
 
 
+CHATS = ["Explain how binary search works and when it fails, in one paragraph.",
+         "Write three haiku about a lighthouse in winter.",
+         "When should I add an index to a SQL table? Two short paragraphs."]
+
+
+def measure_adaptive(model: str, n_tokens, threads, reps):
+    """Rows for plain and for the n-gram proposer with the engine's adaptive policy, each chat
+    prompt run both ways in turn (order flipped every rep), cold prompt each time."""
+    sampling = SamplingParams(temperature=0.0)
+    cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, cache_mb=0)
+    samples = {"plain": [], "ngram": []}
+    drafted, same = 0, True
+    with Engine(model, cfg) as engine:
+        engine.prepare()                     # the cost curve, before anything is timed
+        for rep in range(reps):
+            for text in CHATS:
+                msgs = [{"role": "user", "content": text}]
+                outs = {}
+                for mode in (("plain", "ngram") if rep % 2 == 0 else ("ngram", "plain")):
+                    with DeviceClock() as clock:
+                        got = timed_steps(engine, clock)
+                        engine.reset()
+                        try:
+                            gen = engine.generate(msgs, sampling, max_tokens=n_tokens,
+                                                  speculate=mode == "ngram")
+                            gen.complete()
+                        finally:
+                            engine.__dict__.pop("_step", None)
+                    samples[mode] += got
+                    outs[mode] = gen.tokens
+                    drafted += gen.stats.drafted if mode == "ngram" else 0
+                same &= outs["plain"] == outs["ngram"]
+    rows = [{"step": "engine", "k": "auto" if mode == "ngram" else 0, "mode": mode,
+             **summarize(samples[mode], same)} for mode in ("plain", "ngram")]
+    rows[1]["drafted"] = drafted
+    return rows
+
+
 def engine_verify(rows, drafts, sampling, recent, margin):
     """What step.step does after the decode for greedy point-mass drafts: verify() over
     target_dist() rows, then near_tie() over top2_gap() rows."""
@@ -281,6 +326,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=None, metavar="K")
     ap.add_argument("--rows", type=int, metavar="N_VOCAB",
                     help="verification alone on random rows of this vocabulary size (no model)")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="plain vs the n-gram proposer with the adaptive policy, on chats")
     ap.add_argument("--json")
     a = ap.parse_args()
     ks = [int(k) for k in a.ks.split(",")]
@@ -296,14 +343,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_model(Path(tmp))) if a.tiny else a.model
         load0 = os.getloadavg()
-        rows, profiles = measure(model, ks, a.tokens, a.gpu_layers, a.threads, a.repeat_penalty,
-                                 ("engine", "prototype") if a.fast else ("engine",), a.profile,
-                                 a.reps)
+        if a.adaptive:
+            rows, profiles = measure_adaptive(model, a.tokens, a.threads, a.reps), {}
+        else:
+            rows, profiles = measure(model, ks, a.tokens, a.gpu_layers, a.threads,
+                                     a.repeat_penalty, ("engine", "prototype") if a.fast
+                                     else ("engine",), a.profile, a.reps)
     label = (f"{'tiny model' if a.tiny else Path(a.model).name}, gpu_layers {a.gpu_layers}, "
              f"threads {a.threads or 'all'}, repeat_penalty {a.repeat_penalty}, {a.tokens} tokens"
-             f" x {len(PROMPTS)} prompts x {a.reps}; load {load0[0]:.1f} -> "
+             f" x {len(CHATS if a.adaptive else PROMPTS)} prompts x {a.reps}; load {load0[0]:.1f} -> "
              f"{os.getloadavg()[0]:.1f}")
     report(rows, label)
+    if a.adaptive:
+        plain, ngram = rows
+        extra = ngram["overhead_ms"] - plain["overhead_ms"]
+        print(f"n-gram mode over plain: {extra:+.3f} ms a step outside llama.cpp, "
+              f"{100 * extra / (plain['device_ms'] + plain['overhead_ms']):+.2f}% of a plain "
+              f"step; {ngram['drafted']} tokens drafted in all")
     for step, text in profiles.items():
         print(f"# cProfile, {step} step, k={a.profile} accept\n{text}", file=sys.stderr)
     if a.json:

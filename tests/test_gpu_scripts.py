@@ -53,6 +53,15 @@ def test_step_overhead_rows_mode_compares_equal_verdicts():
     assert [(r["k"], r["mode"]) for r in out] == [(0, "accept"), (4, "accept"), (4, "reject")]
 
 
+def test_step_overhead_adaptive_mode_times_plain_and_ngram(tiny_path):
+    so = load("step_overhead")
+    rows = so.measure_adaptive(str(tiny_path), n_tokens=10, threads=1, reps=2)
+    assert [(r["k"], r["mode"]) for r in rows] == [(0, "plain"), ("auto", "ngram")]
+    for r in rows:      # 3 chats x 2 reps, each up to 10 tokens, every step seen by the clock
+        assert 6 <= r["steps"] <= 60 and r["device_ms"] > 0
+    assert rows[0]["tokens_per_step"] == 1.0 and "drafted" in rows[1]
+
+
 def test_gpu_measure_curve_and_identity_on_the_tiny_model(tiny_path):
     gm = load("gpu_measure")
     c = gm.curve(str(tiny_path), layers=0, k_max=4, threads=1)
