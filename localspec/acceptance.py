@@ -235,7 +235,7 @@ class AcceptanceModel:
         return np.array(self.probs(self.base_logits(f, n, state) if base is None else base[:n]))
 
     def observe(self, f: DraftFeatures, n_checked: int, n_accepted: int,
-                state: RequestState, base: Optional[np.ndarray] = None) -> None:
+                state: RequestState, base: Optional[Sequence[float]] = None) -> None:
         """The first n_accepted of n_checked positions passed; position n_accepted (if it is
         < n_checked) failed. Later positions were not tested on their own: no evidence.
         `base`: base_logits() of this f and state, if already at hand."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-
 from .acceptance import AcceptanceConfig, AcceptanceModel, DraftFeatures, RequestState
 from .costmodel import CostModel
 from .policy import DraftPolicy
