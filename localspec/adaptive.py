@@ -117,17 +117,22 @@ class AdaptivePolicy:
 
     def predict(self, f: DraftFeatures) -> list:
         """p_0..p_{n-1} of the proposal's positions (n capped by k_max)."""
+        return self.acceptance.probs(self._logits(f))
+
+    def _logits(self, f: DraftFeatures) -> list:
+        """The proposal's prior logits, kept for observe_step() to learn from."""
         n = min(len(f.tokens), self.config.k_max, self.cost.k_max)
-        base = self.acceptance.base_logits(f, n, self.state) if n > 0 else []
-        self._seen = (f, base)          # observe_step() reuses it for the same proposal
-        return self.acceptance.probs(base)
+        base = self.acceptance.base_logits(f, n, self.state)
+        self._seen = (f, base)
+        return base
 
     def choose_draft(self, f: DraftFeatures) -> int:
         if self.config.fixed_k is not None:
             return max(0, min(self.config.fixed_k, len(f.tokens)))
-        p = self.predict(f)             # also when off: the plain step learns from it
-        if not self.guard.allows() or not p:
+        base = self._logits(f)          # also when off: the plain step learns from them
+        if not self.guard.allows() or not base:
             return 0
+        p = self.acceptance.probs(base)
         # argmax over k of E(k) / r(k), E(k) = 1 + p_0 + p_0 p_1 + ... (expected_by_k), in
         # floats: 1-16 positions, every step
         r = self.cost.ratio_list()

@@ -64,8 +64,7 @@ class CostModel:
         self._sy = np.zeros(len(self.prior))         # decayed sum of log ms per k
         self._s = self._p.copy()                     # current s_k
         self._b = self._b0
-        self._r = self.prior.copy()                  # current r(k)
-        self._rl = self._r.tolist()
+        self._r = self.prior.tolist()                # current r(k), floats: read every step
         self._pending: list = []                     # (k, log ms) observed since the last solve
         self._dirty = False
         self._solved_at = 0
@@ -83,25 +82,20 @@ class CostModel:
 
     def ratio(self, k: int) -> float:
         """Current estimate of r(k), >= 1 (a batch is never cheaper than one token)."""
-        return float(self.ratio_array()[k])
+        return self.ratio_list()[k]
 
     def ratios(self) -> list:
         return list(self.ratio_list())
 
     def ratio_list(self) -> list:
-        """ratio_array() as floats (for per-step loops); do not modify."""
-        self._refresh()
-        return self._rl
-
-    def ratio_array(self) -> np.ndarray:
-        """[k_max + 1] current r(0..k_max); do not modify."""
+        """[k_max + 1] current r(0..k_max), without a copy (for per-step loops); do not modify."""
         self._refresh()
         return self._r
 
     def ms(self, k: int) -> Optional[float]:
         """Estimated milliseconds of a step of k drafts now (None before any timing)."""
         self._refresh()
-        return None if self._b is None else math.exp(self._b) * float(self._r[k])
+        return None if self._b is None else math.exp(self._b) * self._r[k]
 
     def observe(self, k: int, ms: float) -> None:
         """One timed verify batch of k drafts (k + 1 rows)."""
@@ -141,8 +135,7 @@ class CostModel:
         s = (w * (m - b) + lam * self._p) / (w + lam)
         s[0] = 0.0
         self._b, self._s = b, s
-        self._r = np.maximum(1.0, np.exp(s))
-        self._rl = self._r.tolist()
+        self._r = np.maximum(1.0, np.exp(s)).tolist()
 
     def _fold_pending(self) -> None:
         """Each observation decays the earlier ones by `decay`: the pending ones in one go (the

@@ -63,7 +63,7 @@ class Generation:
         self._run, self._request, self._texts = run, request, texts
 
     def __iter__(self) -> Iterator[str]:
-        yield from self._run
+        return self._run              # the loop itself: no wrapper frame per piece
 
     def close(self) -> None:
         """End the request where it is, now rather than whenever Python collects it: the engine's
