@@ -148,6 +148,23 @@ def timed_steps(engine: Engine, clock: DeviceClock) -> list:
     return samples
 
 
+def timed_generation(engine, prompt, sampling, prof=None, **generate):
+    """One cold generation with every step timed (timed_steps): (samples, the Generation)."""
+    with DeviceClock() as clock:
+        samples = timed_steps(engine, clock)
+        try:
+            engine.reset()
+            gen = engine.generate(prompt, sampling, **generate)
+            if prof:
+                prof.enable()
+            gen.complete()
+            if prof:
+                prof.disable()
+        finally:
+            engine.__dict__.pop("_step", None)
+    return samples, gen
+
+
 def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
     """One generation at fixed k: its per-step samples (ms), identity and tokens per step."""
     if k:
@@ -157,20 +174,12 @@ def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
     localspec.engine.step = greedy_step if fast else STEP
     prof = cProfile.Profile() if profile else None
     try:
-        with DeviceClock() as clock:
-            samples = timed_steps(engine, clock)
-            engine.reset()
-            gen = engine.generate(prompt, sampling, max_tokens=len(reference), speculate=k > 0,
-                                  policy=PolicyConfig(k_max=max(k, 1), fixed_k=k))
-            if prof:
-                prof.enable()
-            tokens = gen.complete_tokens()
-            if prof:
-                prof.disable()
+        samples, gen = timed_generation(engine, prompt, sampling, prof,
+                                        max_tokens=len(reference), speculate=k > 0,
+                                        policy=PolicyConfig(k_max=max(k, 1), fixed_k=k))
     finally:
-        engine.__dict__.pop("_step", None)
         localspec.engine.step = STEP
-    return samples, tokens == reference, prof
+    return samples, gen.tokens == reference, prof
 
 
 CHATS = ["Explain how binary search works and when it fails, in one paragraph.",
@@ -192,15 +201,8 @@ def measure_adaptive(model: str, n_tokens, threads, reps):
                 msgs = [{"role": "user", "content": text}]
                 outs = {}
                 for mode in (("plain", "ngram") if rep % 2 == 0 else ("ngram", "plain")):
-                    with DeviceClock() as clock:
-                        got = timed_steps(engine, clock)
-                        engine.reset()
-                        try:
-                            gen = engine.generate(msgs, sampling, max_tokens=n_tokens,
-                                                  speculate=mode == "ngram")
-                            gen.complete()
-                        finally:
-                            engine.__dict__.pop("_step", None)
+                    got, gen = timed_generation(engine, msgs, sampling, max_tokens=n_tokens,
+                                                speculate=mode == "ngram")
                     samples[mode] += got
                     outs[mode] = gen.tokens
                     drafted += gen.stats.drafted if mode == "ngram" else 0
