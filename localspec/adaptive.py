@@ -16,6 +16,8 @@ from .acceptance import AcceptanceConfig, AcceptanceModel, DraftFeatures, Reques
 from .costmodel import CostModel
 from .policy import DraftPolicy
 
+PLAIN_EMA = 0.8     # the guard's plain-step time: the last ~5 plain steps of the request
+
 
 @dataclass(frozen=True)
 class GuardConfig:
@@ -25,13 +27,18 @@ class GuardConfig:
                                   # is trusted near break-even; the guard catches a bad prior)
     backoff: int = 24             # plain steps before speculating again; doubles per failure
     backoff_max: int = 384
+    step_cap: float = 2.0         # a step weighs at most this many plain steps' time in the
+                                  # window: one deep draft that misses is one piece of evidence,
+                                  # not the verdict (seen: one 15-token miss paused a summary
+                                  # running at 1.2x for 24 steps)
 
 
 class RegretGuard:
     """Realised gain = tokens the speculative steps emitted x (what one plain step costs now) /
     (what they cost), over a decayed window. Below `threshold` after `min_steps`: plain decoding
     for `backoff` steps, then a probe (a fresh window); a failed probe doubles the backoff, a
-    good window resets it.
+    good window resets it. A step dearer than `step_cap` plain steps enters the window scaled
+    down to that weight (its own gain unchanged), so no single step decides.
 
     >>> g = RegretGuard()
     >>> for step in range(10):
@@ -61,6 +68,9 @@ class RegretGuard:
     def speculative(self, n_emitted: int, ms: float, plain_ms: float) -> None:
         """A step that drafted: it emitted n_emitted tokens in ms; a plain step costs plain_ms."""
         c = self.config
+        if ms > c.step_cap * plain_ms > 0:
+            w = c.step_cap * plain_ms / ms
+            n_emitted, ms = n_emitted * w, ms * w
         self._gain_num = self._gain_num * c.decay + n_emitted * plain_ms
         self._gain_den = self._gain_den * c.decay + ms
         self._steps += 1
@@ -106,10 +116,12 @@ class AdaptivePolicy:
         self.guard = RegretGuard(config.guard)
         self.state = RequestState()
         self._seen = (None, None)   # the last proposal predicted, and its base logits
+        self._plain_ms: Optional[float] = None   # this request's plain steps, smoothed
 
     def start(self) -> None:
         """A new request: nothing is known about its text yet."""
         self.state = RequestState()
+        self._plain_ms = None
 
     def choose_k(self, source: str, available: Optional[int] = None, probe: bool = False) -> int:
         """k for a draft model's proposal (DraftProposer asks before it drafts)."""
@@ -151,9 +163,11 @@ class AdaptivePolicy:
         n_accepted of them passed the verifier, `emitted` the tokens the step produced (the
         near-tie guard may cut them short, even to none); verify_ms the batch's decode time,
         propose_ms the proposer's."""
-        plain_ms = self.cost.ms(0)     # before this step's timing moves it
         if verify_ms is not None:
             self.cost.observe(k, verify_ms)
+            if not k:
+                self._plain_ms = verify_ms if self._plain_ms is None else \
+                    PLAIN_EMA * self._plain_ms + (1.0 - PLAIN_EMA) * verify_ms
         if f is not None and len(f.tokens):
             base = self._seen[1] if self._seen[0] is f else None
             if k:
@@ -162,11 +176,18 @@ class AdaptivePolicy:
                 self.acceptance.observe(f, 1, int(f.tokens[0] == emitted[0]), self.state, base)
         if k:
             ms = (verify_ms if verify_ms is not None else self._model_ms(k)) + propose_ms
-            ref = plain_ms if plain_ms is not None else self._model_ms(0)
-            self.guard.speculative(len(emitted), ms, ref)
+            self.guard.speculative(len(emitted), ms, self._plain_reference())
         else:
             self.guard.plain()
         self.state.verified(f, k, n_accepted, emitted)
+
+    def _plain_reference(self) -> float:
+        """What a plain step costs the request now: its own recent plain steps (the engine's cost
+        model carries the previous request's context length and minute: seen 6% low at the
+        start of a summary), else the cost model's estimate."""
+        if self._plain_ms is not None:
+            return self._plain_ms
+        return self._model_ms(0)
 
     def _model_ms(self, k: int) -> float:
         """Without timings (online off): the cost curve in plain-step units stands in for ms."""

@@ -279,6 +279,47 @@ def test_regret_guard_keeps_a_paying_stream_on():
     assert guard.allows() and guard.n_backoffs == 0 and guard.gain > 1.5
 
 
+def paying_then_one_deep_miss(guard: RegretGuard) -> None:
+    for _ in range(10):                 # 2-token drafts, all accepted: 1.43x plain
+        guard.speculative(n_emitted=3, ms=2.1 * MS, plain_ms=MS)
+    guard.speculative(n_emitted=1, ms=7.0 * MS, plain_ms=MS)   # a 15-token draft, all missed
+
+
+def test_regret_guard_one_deep_miss_does_not_pause_a_paying_stream():
+    # Seen in a real summary running at 1.2x: one 15-token draft that missed pulled the
+    # window's gain under the threshold and paused drafting for 24 steps.
+    guard = RegretGuard()
+    paying_then_one_deep_miss(guard)
+    assert guard.allows() and guard.n_backoffs == 0
+    uncapped = RegretGuard(GuardConfig(step_cap=math.inf))   # what it did before
+    paying_then_one_deep_miss(uncapped)
+    assert not uncapped.allows()
+    # ... while deep misses that keep coming still turn drafting off
+    for _ in range(GuardConfig().min_steps):
+        guard.speculative(n_emitted=1, ms=7.0 * MS, plain_ms=MS)
+    assert not guard.allows()
+
+
+def test_regret_guard_compares_with_the_requests_own_plain_steps():
+    # The engine's cost model remembers 50 ms plain steps (an earlier request, shorter
+    # context); this request's plain steps take 60 ms, and its 2-token drafts emit 2 tokens in
+    # 120 ms: as fast as plain here (gain 1.0), not a loss (2 x 50 / 120 = 0.83).
+    cost = CostModel(EPYC, 50.0)
+    for _ in range(200):
+        cost.observe(0, 50.0)
+    policy = AdaptivePolicy(cost, AdaptiveConfig(acceptance=acceptance.AcceptanceConfig(
+        learn_rate=0.0)))
+    policy.start()
+    for _ in range(5):
+        policy.observe_step(COPY, 0, 0, [999], verify_ms=60.0)
+    assert cost.ms(0) < 55.0
+    for _ in range(30):
+        policy.observe_step(COPY, 2, 1, [100, 101], verify_ms=120.0)
+        policy.observe_step(COPY, 0, 0, [999], verify_ms=60.0)
+    assert policy.guard.n_backoffs == 0
+    assert policy.guard.gain == pytest.approx(1.0, abs=0.01)
+
+
 def test_steep_curve_and_weak_guesses_stay_plain():
     policy = AdaptivePolicy(CostModel(EPYC, MS))
     policy.start()
