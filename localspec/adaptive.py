@@ -183,7 +183,7 @@ class AdaptivePolicy:
 
     def _plain_reference(self) -> float:
         """What a plain step costs the request now: its own recent plain steps (the engine's cost
-        model carries the previous request's context length and minute: seen 6% low at the
+        model carries the previous request's context length and minute: seen ~7% low at the
         start of a summary), else the cost model's estimate."""
         if self._plain_ms is not None:
             return self._plain_ms
