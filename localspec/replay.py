@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .acceptance import PLAIN
+from .errors import LocalspecError
+from .files import cache_dir
 from .proposers import NgramProposer
 
 BASE_MS = 60.0     # a plain step, for the timings handed to policies (only ratios matter)
@@ -75,6 +77,45 @@ def extend_curve(points: Sequence[float], k_max: int = 16, anchors: Optional[dic
         else:
             out.append(pts[lo] + (k - lo) * (pts[hi] - pts[lo]) / (hi - lo))
     return [round(r, 4) for r in out]
+
+
+def curve_from_json(path: str) -> list:
+    """r(0..) from a JSON file that holds one: a calibration cache entry (`ratios`, what
+    `localspec calibrate` writes) or a `localspec bench --json` file (`meta.verify_cost_curve`,
+    the curve that run started from)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise LocalspecError(f"cannot read a cost curve from {path}: {e}") from None
+    meta = data.get("meta") if isinstance(data, dict) else None
+    ratios = data.get("ratios") if isinstance(data, dict) else None
+    if ratios is None and isinstance(meta, dict):
+        ratios = meta.get("verify_cost_curve")
+    if not (isinstance(ratios, list) and len(ratios) >= 2 and
+            all(isinstance(r, (int, float)) and r >= 1.0 for r in ratios)):
+        raise LocalspecError(f"{path} holds no cost curve (a calibration file's `ratios` or a "
+                             "bench JSON's `meta.verify_cost_curve`, numbers >= 1 from r(0) = 1)")
+    return [float(r) for r in ratios]
+
+
+def calibrated_curve(model_name: str, threads: int) -> tuple:
+    """(r(0..), path) of this machine's newest cached calibration of `model_name` (a GGUF file
+    name) with `threads` threads: the curve `localspec calibrate` measured here last."""
+    found = []
+    for p in cache_dir("calibration").glob("*.json"):
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if (isinstance(data, dict) and data.get("threads") == threads and
+                str(data.get("model", "")).endswith(model_name)):
+            found.append((p.stat().st_mtime, p))
+    if not found:
+        raise LocalspecError(f"no calibration of {model_name} with {threads} threads on this "
+                             f"machine: run `localspec calibrate --threads {threads}` first")
+    path = str(max(found)[1])
+    return curve_from_json(path), path
 
 
 @dataclass

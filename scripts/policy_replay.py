@@ -2,16 +2,18 @@
 model needs, fit its prior, and replay policies offline against any cost curve.
 
     python scripts/policy_replay.py record out.json [--threads 2] [--exact]   # ~15-30 min
-    python scripts/policy_replay.py replay out.json [--curve epyc|xeon|cached|1,1.5,...]
-           [--prior-curve ...] [--policies old,new] [--cv]
+    python scripts/policy_replay.py replay out.json [--curve here|epyc|xeon|FILE.json|1,1.5,...]
+           [--prior-curve ...] [--policies old,new] [--cv] [--threads 2]
     python scripts/policy_replay.py fit out.json [--folds 2]
 
 Greedy speculation emits plain decoding's tokens, so every step can be scored without the model
 (localspec/replay.py says how). `replay` prints, per kind, each policy's speedup over plain in
 decode-time units (geometric mean, worst case), the future-knowing bound, the fraction of it each
 policy takes, and how often a policy drafted in cases whose bound is under 1.05x.
-`--prior-curve` is what the policies believe (the cached calibration), `--curve` what steps
-really cost; `--cv` replays each case with an acceptance prior fitted on the other fold.
+`--curve` is what steps really cost: by default this machine's newest `localspec calibrate`
+of the recording's model (`here`), or a calibration / `bench --json` file, a named curve, or a
+list starting at r(0) = 1. `--prior-curve` is what the policies believe (the cached calibration;
+default: the same); `--cv` replays each case with an acceptance prior fitted on the other fold.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from localspec import replay as rp
 from localspec.acceptance import FEATURES, AcceptanceConfig
 from localspec.adaptive import AdaptiveConfig, AdaptivePolicy
 from localspec.costmodel import CostConfig, CostModel
+from localspec.errors import LocalspecError
 from localspec.policy import DraftPolicy, PolicyConfig
 
 CURVES = {  # DESIGN.md "The cost model"; Qwen2.5-Coder-1.5B Q4_K_M, 2 threads
@@ -35,12 +38,26 @@ CURVES = {  # DESIGN.md "The cost model"; Qwen2.5-Coder-1.5B Q4_K_M, 2 threads
 PROPOSE_COST = 0.002   # proposer + policy per step, in plain-step units (measured: see --time)
 
 
-def parse_curve(text, data):
-    if text in (None, "cached"):
-        return list(data["curve"])
+def parse_curve(text, data, threads=2):
+    """A named curve, `here` (this machine's newest calibration of the recording's model), a
+    JSON file holding one (calibration or bench JSON), or 1,r(1),r(2),... (extended to k = 16,
+    the last slope carried on)."""
+    if text in (None, "here"):
+        curve, path = rp.calibrated_curve(data["model"], threads)
+        print(f"this machine's curve: {path}", file=sys.stderr)
+        return rp.extend_curve(curve, 16)
     if text in CURVES:
         return CURVES[text]
-    return rp.extend_curve([float(x) for x in text.split(",")], 16)
+    if text.endswith(".json"):
+        return rp.extend_curve(rp.curve_from_json(text), 16)
+    try:
+        points = [float(x) for x in text.split(",")]
+    except ValueError:
+        points = []
+    if len(points) < 2 or points[0] != 1.0 or min(points) < 1.0:
+        raise LocalspecError(f"--curve {text!r}: expected epyc, xeon, here, a .json file or "
+                             "numbers r(0)=1,r(1),r(2),... (each >= 1)")
+    return rp.extend_curve(points, 16)
 
 
 def make_policies(names, prior, weights=None):
@@ -71,8 +88,8 @@ def fold_weights(cases, folds):
 def replay(a) -> None:
     data = json.load(open(a.path))
     cases = rp.load(a.path)
-    curve = parse_curve(a.curve, data)
-    prior = parse_curve(a.prior_curve, data) if a.prior_curve else curve
+    curve = parse_curve(a.curve, data, a.threads)
+    prior = parse_curve(a.prior_curve, data, a.threads) if a.prior_curve else curve
     names = a.policies.split(",")
     print(f"true cost r(k):  {', '.join(f'{r:.2f}' for r in curve)}")
     if prior != curve:
@@ -149,8 +166,11 @@ def main() -> None:
     rec.add_argument("--exact", action="store_true")
     rep = sub.add_parser("replay")
     rep.add_argument("path")
-    rep.add_argument("--curve", help="epyc, xeon, cached (the recording's) or r(1),r(2),...")
-    rep.add_argument("--prior-curve")
+    rep.add_argument("--curve", default="here",
+                     help="what steps cost: epyc, xeon, here (this machine's newest calibration, "
+                          "the default), a calibration or bench .json, or 1,r(1),r(2),...")
+    rep.add_argument("--prior-curve", help="what the policies believe (default: --curve)")
+    rep.add_argument("--threads", type=int, default=2, help="which calibration `here` reads")
     rep.add_argument("--policies", default="old,new")
     rep.add_argument("--propose-cost", type=float, default=PROPOSE_COST)
     rep.add_argument("--tie-margin", type=float, default=0.25)
@@ -159,6 +179,13 @@ def main() -> None:
     ft.add_argument("path")
     ft.add_argument("--folds", type=int, default=2)
     a = ap.parse_args()
+    try:
+        run(a)
+    except LocalspecError as e:
+        sys.exit(f"error: {e}")
+
+
+def run(a) -> None:
     if a.cmd == "record":
         from localspec.replay_record import record
         record(a.path, a.threads, a.exact)

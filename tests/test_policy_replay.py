@@ -2,6 +2,10 @@
 future-knowing bound they are measured against."""
 
 import doctest
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +13,7 @@ import pytest
 from localspec import replay as rp
 from localspec.adaptive import AdaptiveConfig, AdaptivePolicy
 from localspec.costmodel import CostModel
+from localspec.errors import LocalspecError
 from localspec.policy import DraftPolicy, PolicyConfig
 
 RECORDING = Path(__file__).resolve().parent / "data" / "policy_plain.json"
@@ -68,3 +73,47 @@ def test_recorded_cases_score_the_same_twice_and_never_above_their_bound(curve):
             b = rp.replay_case(case, make, curve, propose_cost=0.002)
             assert a == b
             assert a.speedup <= bound + 1e-9
+
+
+def test_curves_come_from_this_machines_calibration_or_a_json_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    with pytest.raises(LocalspecError, match="localspec calibrate --threads 2"):
+        rp.calibrated_curve("model.gguf", 2)
+    cal = tmp_path / "calibration"
+    cal.mkdir(exist_ok=True)
+    (cal / "a.json").write_text(json.dumps({"ratios": [1.0, 1.5, 2.0], "ms_per_step": 30.0,
+                                            "model": "/m/model.gguf", "threads": 2}))
+    (cal / "b.json").write_text(json.dumps({"ratios": [1.0, 1.1, 1.2], "ms_per_step": 30.0,
+                                            "model": "/m/model.gguf", "threads": 4}))
+    (cal / "junk.json").write_text("{not json")
+    curve, path = rp.calibrated_curve("model.gguf", 2)
+    assert curve == [1.0, 1.5, 2.0] and path.endswith("a.json")
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"meta": {"verify_cost_curve": [1.0, 1.7, 2.3]}, "rows": []}))
+    assert rp.curve_from_json(str(bench)) == [1.0, 1.7, 2.3]
+    (tmp_path / "other.json").write_text(json.dumps({"ratios": [0.5, 2.0]}))
+    with pytest.raises(LocalspecError, match="holds no cost curve"):
+        rp.curve_from_json(str(tmp_path / "other.json"))
+    with pytest.raises(LocalspecError, match="cannot read a cost curve"):
+        rp.curve_from_json(str(cal / "junk.json"))
+
+
+def test_replay_script_reads_this_machines_curve_and_refuses_a_bad_one(tmp_path):
+    env = {**os.environ, "LOCALSPEC_HOME": str(tmp_path)}
+    script = Path(__file__).resolve().parents[1] / "scripts" / "policy_replay.py"
+    cmd = [sys.executable, str(script), "replay", str(RECORDING), "--policies", "new"]
+    missing = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr.strip().splitlines() == [
+        "error: no calibration of qwen2.5-coder-1.5b-instruct-q4_k_m.gguf with 2 threads on this "
+        "machine: run `localspec calibrate --threads 2` first"]
+    bad = subprocess.run(cmd + ["--curve", "1.5,2"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: --curve '1.5,2'")
+    (tmp_path / "calibration").mkdir(exist_ok=True)     # the failed run made it
+    (tmp_path / "calibration" / "x.json").write_text(json.dumps(
+        {"ratios": EPYC, "ms_per_step": 50.0, "threads": 2,
+         "model": "/cache/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"}))
+    ok = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    named = subprocess.run(cmd + ["--curve", "epyc"], env=env, capture_output=True, text=True)
+    assert ok.stdout == named.stdout and "x.json" in ok.stderr     # the same curve, by file
