@@ -98,8 +98,8 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
                  f"to pick draft lengths (once, about a minute; cached in {path.parent}, later "
                  "runs skip it)...")
     started = time.perf_counter()
-    curve = None
-    for _ in range(max(1, attempts)):
+    curve, tries = None, 0
+    for tries in range(1, max(1, attempts) + 1):
         new = measure(ctx, k_max)
         if curve is None or new.notes["stability"].spread < curve.notes["stability"].spread:
             curve = new
@@ -112,7 +112,8 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
     remeasured = cached.notes.get("remeasured", 0) + 1 if cached is not None else 0
     _write(path, ctx, curve, remeasured)
     return CostCurve(curve.ratios, curve.ms_per_step, key,
-                     {"stability": curve.notes["stability"], "remeasured": remeasured})
+                     {"stability": curve.notes["stability"], "remeasured": remeasured,
+                      "attempts": tries})
 
 
 def _write(path, ctx: Context, curve: CostCurve, remeasured: int) -> None:

@@ -132,7 +132,7 @@ def test_noisy_cached_curve_is_measured_again_and_the_steadier_kept(tmp_path, mo
         n_threads = 2
 
     Ctx.model.path.write_bytes(b"gguf")
-    spreads = iter([0.30, 0.20, 0.02, 0.5])
+    spreads = iter([0.30, 0.20, 0.02, 0.5, 0.4, 0.3])
     monkeypatch.setattr(calibrate, "measure", lambda ctx, k_max: CostCurve(
         (1.0, 1.5), 50.0, notes={"stability": Stability(5, next(spreads), 1, 0.3, 0.1)}))
     first = calibrate.load_or_measure(Ctx, k_max=1)                       # 0.30: noisy
@@ -140,10 +140,13 @@ def test_noisy_cached_curve_is_measured_again_and_the_steadier_kept(tmp_path, mo
     second = calibrate.load_or_measure(Ctx, k_max=1)                      # noisy: again (0.20)
     assert second.notes["stability"].spread == 0.20 and second.notes["remeasured"] == 1
     forced = calibrate.load_or_measure(Ctx, k_max=1, force=True, attempts=3)  # 0.02: stops
-    assert forced.notes["stability"].spread == 0.02
+    assert forced.notes["stability"].spread == 0.02 and forced.notes["attempts"] == 1
     assert calibrate.load_or_measure(Ctx, k_max=1).notes["stability"].spread == 0.02  # cached
     saved = json.loads(next((tmp_path / "calibration").glob("*.json")).read_text())
     assert saved["stability"]["spread"] == 0.02
+    busy = calibrate.load_or_measure(Ctx, k_max=1, force=True, attempts=3)  # 0.5, 0.4, 0.3
+    assert busy.notes["attempts"] == 3 and busy.notes["stability"].spread == 0.3
+    assert ", 3 attempts;" in costmodel.stability_line(busy.notes["stability"], 3)
 
 
 def test_cost_model_without_timings_is_the_prior():

@@ -27,4 +27,4 @@ def calibrate(**kw):
     click.echo(f"one-token decode: {curve.ms_per_step:.1f} ms")
     click.echo("k:    " + " ".join(f"{k:>5}" for k in range(len(curve.ratios))))
     click.echo("r(k): " + " ".join(f"{r:5.2f}" for r in curve.ratios))
-    click.echo(stability_line(curve.notes["stability"]))
+    click.echo(stability_line(curve.notes["stability"], curve.notes.get("attempts", 1)))
