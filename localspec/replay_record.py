@@ -57,10 +57,12 @@ def greedy_trace(ctx, prompt: Sequence[int], max_tokens: int, is_eog: Callable[[
 
 
 def record(path: str, threads: int = 2, exact: bool = False, cases: Optional[list] = None,
-           say: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
-    """Record every workload case (or the ids in `cases`) with the default model into JSON at
-    `path`, rewritten after each case; cases already there are kept (a stopped run resumes).
-    Kinds take turns, so a partial recording covers all of them."""
+           say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+           workloads: Optional[str] = None, model: str = "default") -> dict:
+    """Record every case of `workloads` (default: the shipped ones), or the ids in `cases`, with
+    `model` (catalog name or path) into JSON at `path`, rewritten after each case; cases already
+    there are kept (a stopped run resumes). Kinds take turns, so a partial recording covers all
+    of them."""
     from .bench import load_workloads
     from .engine import Engine, EngineConfig
 
@@ -71,9 +73,11 @@ def record(path: str, threads: int = 2, exact: bool = False, cases: Optional[lis
             old = json.load(f)
         if old.get("version") == RECORDING_VERSION and old.get("exact") == exact:
             data = old
-    with Engine("default", EngineConfig(proposer="none", exact=exact, n_threads=threads)) as eng:
+    with Engine(model, EngineConfig(proposer="none", exact=exact, n_threads=threads)) as eng:
+        if data.get("model", eng.model.path.name) != eng.model.path.name:
+            data["cases"] = {}             # another model's outputs: nothing to resume
         data["model"] = eng.model.path.name
-        for case in _by_turns(load_workloads(ids=cases)):
+        for case in _by_turns(load_workloads(workloads, ids=cases)):
             if case.id in data["cases"]:
                 continue
             eng.reset()

@@ -117,3 +117,29 @@ def test_replay_script_reads_this_machines_curve_and_refuses_a_bad_one(tmp_path)
     assert ok.returncode == 0, ok.stderr
     named = subprocess.run(cmd + ["--curve", "epyc"], env=env, capture_output=True, text=True)
     assert ok.stdout == named.stdout and "x.json" in ok.stderr     # the same curve, by file
+
+
+def test_recording_a_workloads_file_on_a_real_model_replays(tmp_path, tiny_path):
+    from localspec.replay_record import record
+    workloads = tmp_path / "w.jsonl"
+    workloads.write_text(
+        '{"id": "s", "kind": "summarize", "source": {"pydoc_topic": "global"}, '
+        '"instruction": "Summarize.", "max_tokens": 12}\n'
+        '{"id": "c", "kind": "chat", "source": null, "instruction": "Hi", "max_tokens": 9}\n')
+    out = tmp_path / "rec.json"
+    said = []
+    data = record(str(out), threads=1, workloads=str(workloads), model=str(tiny_path),
+                  say=said.append)
+    assert [line.split(":")[0] for line in said] == ["s", "c"]
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(data)) and saved["model"] == tiny_path.name
+    for cid, n_max in (("s", 12), ("c", 9)):
+        case = saved["cases"][cid]
+        n = len(case["out"])
+        assert 1 <= n <= n_max and len(case["margin"]) == len(case["p_top"]) == n
+        assert all(m >= 0 for m in case["margin"]) and all(0 < p <= 1 for p in case["p_top"])
+    assert record(str(out), threads=1, workloads=str(workloads), model=str(tiny_path),
+                  say=said.append) == saved and len(said) == 2        # resumed: nothing to do
+    for case in rp.load(str(out)):
+        bound = rp.bound_case(case, EPYC)
+        assert rp.replay_case(case, policies(EPYC)["new"], EPYC).speedup <= bound + 1e-9
