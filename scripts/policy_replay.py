@@ -3,7 +3,7 @@ model needs, fit its prior, and replay policies offline against any cost curve.
 
     python scripts/policy_replay.py record out.json [--threads 2] [--exact] [--workloads F]
     python scripts/policy_replay.py replay out.json [--curve here|epyc|xeon|FILE.json|1,1.5,...]
-           [--prior-curve ...] [--policies old,new] [--cv] [--threads 2]
+           [--prior-curve ...] [--policies old,new] [--cv] [--threads 2] [--per-case]
     python scripts/policy_replay.py fit out.json [--folds 2]
 
 Greedy speculation emits plain decoding's tokens, so every step can be scored without the model
@@ -106,8 +106,24 @@ def replay(a) -> None:
             s = rp.replay_case(c, make, curve, propose_cost=a.propose_cost,
                                tie_margin=a.tie_margin)
             scores[name][c.kind].append((c, s))
+    if a.per_case:
+        print_cases(names, scores, bounds)
     print_table(names, scores, bounds)
     print(f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+
+
+def print_cases(names, scores, bounds) -> None:
+    """One row per case and policy: speedup, its bound, steps that drafted, tokens drafted and
+    accepted (where a kind's mean comes from)."""
+    print(f"{'case':30s} {'policy':10s} {'x plain':>8s} {'bound':>7s} {'drafted in':>14s} "
+          f"{'accepted':>12s}")
+    for kind, rows in bounds.items():
+        for i, (c, b) in enumerate(rows):
+            for name in names:
+                s = scores[name][kind][i][1]
+                print(f"{c.id:30s} {name:10s} {s.speedup:7.3f}x {b:6.3f}x "
+                      f"{s.spec_steps:5d}/{s.steps:<4d} steps {s.accepted:5d}/{s.drafted:<5d}")
+    print()
 
 
 def print_table(names, scores, bounds) -> None:
@@ -176,6 +192,7 @@ def main() -> None:
     rep.add_argument("--propose-cost", type=float, default=PROPOSE_COST)
     rep.add_argument("--tie-margin", type=float, default=0.25)
     rep.add_argument("--cv", action="store_true")
+    rep.add_argument("--per-case", action="store_true", help="a row per case before the table")
     ft = sub.add_parser("fit")
     ft.add_argument("path")
     ft.add_argument("--folds", type=int, default=2)
