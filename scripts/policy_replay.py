@@ -1,7 +1,7 @@
 """Design tool for the draft policy: record plain greedy outputs with the features the acceptance
 model needs, fit its prior, and replay policies offline against any cost curve.
 
-    python scripts/policy_replay.py record out.json [--threads 2] [--exact] [--workloads F]
+    python scripts/policy_replay.py record out.json [--threads 2] [--exact] [--workloads F] [--model M]
     python scripts/policy_replay.py replay out.json [--curve here|epyc|xeon|FILE.json|1,1.5,...]
            [--prior-curve ...] [--policies old,new] [--cv] [--threads 2] [--per-case]
     python scripts/policy_replay.py fit out.json [--folds 2]
@@ -181,6 +181,7 @@ def main() -> None:
     rec.add_argument("--threads", type=int, default=2)
     rec.add_argument("--exact", action="store_true")
     rec.add_argument("--workloads", help="a workloads JSONL file (default: the shipped cases)")
+    rec.add_argument("--model", default="default", help="catalog name or .gguf path")
     rep = sub.add_parser("replay")
     rep.add_argument("path")
     rep.add_argument("--curve", default="here",
@@ -206,7 +207,7 @@ def main() -> None:
 def run(a) -> None:
     if a.cmd == "record":
         from localspec.replay_record import record
-        record(a.path, a.threads, a.exact, workloads=a.workloads)
+        record(a.path, a.threads, a.exact, workloads=a.workloads, model=a.model)
     elif a.cmd == "replay":
         replay(a)
     else:
