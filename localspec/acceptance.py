@@ -70,12 +70,14 @@ class RequestState:
     """What a request has shown so far, kept the same way by the policy (after each verified
     step) and by the offline fit (stepping through a plain output one token at a time).
 
-    streak: output tokens the proposer had guessed right, in a row; recent: decayed share of
-    output tokens the proposer guessed right (an accepted draft token counts as a right guess,
-    the token after the last accepted one as a wrong one)."""
+    streak: output tokens the proposer had guessed right, in a row; longest: the longest such
+    streak so far; recent: decayed share of output tokens the proposer guessed right (an
+    accepted draft token counts as a right guess, the token after the last accepted one as a
+    wrong one)."""
 
     streak: int = 0
     recent: float = field(default_factory=lambda: RECENT_PRIOR)
+    longest: int = 0
 
     def verified(self, f: Optional[DraftFeatures], k: int, n_accepted: int,
                  emitted: Sequence[int]) -> None:
@@ -92,6 +94,7 @@ class RequestState:
             self.recent = RECENT_DECAY * self.recent + (1.0 - RECENT_DECAY)
         if missed:
             self.recent *= RECENT_DECAY
+        self.longest = max(self.longest, self.streak + hits)
         self.streak = 0 if missed else self.streak + hits
 
 

@@ -3,8 +3,10 @@ learned verify cost (costmodel.py) picks k, and a regret guard turns speculation
 when the request's speculative steps realise fewer tokens per millisecond than plain ones.
 
 k = argmax over 1..n of E(k) / r(k), E(k) = 1 + p_0 + p_0 p_1 + ...; 0 (plain) unless the best
-beats `min_gain`. The cost model may be shared by every request of one engine (it learns the
-machine); the acceptance model and the guard belong to one request (they learn the text).
+beats `min_gain`, and only k whose loss if all are rejected, r(k) - 1 plain steps, fits the
+request's loss budget: `loss_budget` x (the longest run of right guesses it has shown + 1).
+The cost model may be shared by every request of one engine (it learns the machine); the
+acceptance model and the guard belong to one request (they learn the text).
 """
 
 from __future__ import annotations
@@ -95,7 +97,12 @@ class RegretGuard:
 class AdaptiveConfig:
     k_max: int = 16
     fixed_k: Optional[int] = None  # set: always draft this many (no model, no guard)
-    min_gain: float = 1.0         # predicted speed over plain that a draft must beat
+    min_gain: float = 1.1         # predicted speed over plain that a draft must beat: the
+                                  # drafts taken are those predicted best, and in prose they
+                                  # are accepted less than predicted (held-out replay, policy.md)
+    loss_budget: float = 0.4      # plain steps a draft may risk per token of the longest
+                                  # copied run the request has shown (+1): deep drafts on
+                                  # steep CPUs wait for evidence that the text copies long runs
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
 
@@ -146,10 +153,15 @@ class AdaptivePolicy:
             return 0
         p = self.acceptance.probs(base)
         # argmax over k of E(k) / r(k), E(k) = 1 + p_0 + p_0 p_1 + ... (expected_by_k), in
-        # floats: 1-16 positions, every step
+        # floats: 1-16 positions, every step. A draft of k that misses at once costs r(k) - 1
+        # plain steps: no more than the budget this request's copying so far has earned
+        # (on a GPU, r(k) ~ 1: never binding; on a 2-core CPU, 15 drafts risk ~6 steps).
         r = self.cost.ratio_list()
+        budget = 1.0 + self.config.loss_budget * (self.state.longest + 1)
         best_k, best, run, e = 0, self.config.min_gain, 1.0, 1.0
         for k, pk in enumerate(p, 1):
+            if r[k] > budget:
+                break
             run *= pk
             e += run
             if e / r[k] > best:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections import defaultdict
@@ -68,6 +69,10 @@ def make_policies(names, prior, weights=None):
                                       AdaptiveConfig(acceptance=acc)),
         "new-fixed-cost": lambda: AdaptivePolicy(
             CostModel(prior, rp.BASE_MS, CostConfig(online=False)), AdaptiveConfig(acceptance=acc)),
+        # the adaptive policy before the loss budget and min_gain 1.1 (2026-11-24)
+        "unbudgeted": lambda: AdaptivePolicy(
+            CostModel(prior, rp.BASE_MS, CostConfig()),
+            AdaptiveConfig(acceptance=acc, min_gain=1.0, loss_budget=math.inf)),
     }
     return {n: makers[n] for n in names}
 

@@ -183,7 +183,7 @@ def test_timings_showing_k3_costs_twice_the_cache_change_the_choice():
     make = lambda cm: AdaptivePolicy(cm, AdaptiveConfig())
     trusting = make(CostModel(XEON, MS))
     trusting.start()
-    trusting.state = RequestState(streak=10, recent=0.9)
+    trusting.state = RequestState(streak=10, recent=0.9, longest=10)
     assert trusting.choose_draft(f) == 3                  # XEON: r(3) = r(2): take all three
     cm = CostModel(XEON, MS)
     for _ in range(40):
@@ -194,26 +194,61 @@ def test_timings_showing_k3_costs_twice_the_cache_change_the_choice():
     assert cm.ratio(3) > 1.6 * XEON[3]
     learned = make(cm)
     learned.start()
-    learned.state = RequestState(streak=10, recent=0.9)
+    learned.state = RequestState(streak=10, recent=0.9, longest=10)
     assert learned.choose_draft(f) == 2
 
 
 def test_choice_of_k_is_the_argmax_of_expected_tokens_over_cost():
     """choose_draft's float loop against the definition: argmax_k E(k) / r(k) over numpy
-    arrays (expected_by_k), plain when the best is not above min_gain."""
+    arrays (expected_by_k) among the k whose r(k) - 1 fits the loss budget, plain when the
+    best is not above min_gain."""
     rng = np.random.default_rng(1)
+    config = AdaptiveConfig()
+    n_plain = n_bound = 0
     for curve in (EPYC, XEON):
-        policy = AdaptivePolicy(CostModel(curve, MS, CostConfig(online=False)), AdaptiveConfig())
+        policy = AdaptivePolicy(CostModel(curve, MS, CostConfig(online=False)), config)
         for _ in range(300):
             n = int(rng.integers(1, 17))
             agree = np.sort(rng.integers(0, 9, n))[::-1].tolist()
             f = DraftFeatures(list(range(n)), "history", int(rng.integers(1, 9)),
                               n_occ=max(agree[0], int(rng.integers(1, 9))), agree=agree)
-            policy.state = RequestState(streak=int(rng.integers(0, 40)), recent=float(rng.random()))
+            streak = int(rng.integers(0, 12))
+            policy.state = RequestState(streak=streak, recent=float(rng.random()),
+                                        longest=streak + int(rng.integers(0, 12)))
             p = np.asarray(policy.predict(f))
-            gain = acceptance.expected_by_k(p) / np.asarray(curve)[1:n + 1]
-            want = int(np.argmax(gain)) + 1 if gain.max() > 1.0 else 0
+            r = np.asarray(curve)[1:n + 1]
+            gain = acceptance.expected_by_k(p) / r
+            gain[r - 1 > config.loss_budget * (policy.state.longest + 1)] = 0.0
+            want = int(np.argmax(gain)) + 1 if gain.max() > config.min_gain else 0
             assert policy.choose_draft(f) == want
+            n_plain += want == 0
+            n_bound += int(np.argmax(acceptance.expected_by_k(p) / r)) + 1 > max(want, 1)
+    assert n_plain > 5 and n_bound > 20              # plain, and the budget binding, both seen
+
+
+def test_deep_drafts_wait_for_the_request_to_show_long_copied_runs():
+    """The loss budget: a draft of k risks r(k) - 1 plain steps if its first token misses; a
+    request may risk loss_budget x (its longest run of right guesses + 1) of them. EPYC:
+    r(1) - 1 = 0.48, r(2) - 1 = 0.96, r(8) - 1 = 4.9."""
+    f = DraftFeatures(list(range(16)), "history", 8, n_occ=4, agree=[4] * 16)
+    policy = AdaptivePolicy(CostModel(EPYC, MS, CostConfig(online=False)))
+    picks = {}
+    for longest in (0, 1, 2, 3, 40):
+        policy.start()
+        policy.state = RequestState(streak=longest, recent=0.95, longest=longest)
+        assert policy.predict(f)[0] > 0.9                  # the model likes every one of them
+        picks[longest] = policy.choose_draft(f)
+    # budget r(k) <= 1 + 0.4 (longest + 1): 1.4 (< r(1) = 1.48: plain), 1.8 (k = 1), 2.2
+    # (k <= 2), 2.6 (k <= 3: r(4) = 2.68 does not fit), 17.4 (all 16)
+    assert picks == {0: 0, 1: 1, 2: 2, 3: 3, 40: 16}
+    gpu = AdaptivePolicy(CostModel([1.0] + [1.02] * 16, MS, CostConfig(online=False)))
+    gpu.start()
+    gpu.state = RequestState(streak=0, recent=0.95)
+    assert gpu.choose_draft(f) == 16                      # r(k) ~ 1: the budget never binds
+    seen = RequestState()
+    for hits in (3, 0, 5, 1):                             # the longest run is remembered
+        seen.verified(f, 8, hits, [0] * (hits + 1))
+    assert seen.longest == 5 and seen.streak == 0
 
 
 def test_cost_model_decays_observations_the_same_in_batches():
@@ -249,7 +284,8 @@ def stream_nothing_accepted(policy, f, steps):
 
 
 def test_regret_guard_turns_speculation_off_within_a_bounded_number_of_steps():
-    cfg = AdaptiveConfig(acceptance=acceptance.AcceptanceConfig(learn_rate=0.0))  # guard alone
+    cfg = AdaptiveConfig(acceptance=acceptance.AcceptanceConfig(learn_rate=0.0),  # the guard
+                         loss_budget=math.inf)                                  # alone
     policy = AdaptivePolicy(CostModel(XEON, MS), cfg)
     policy.start()
     drafted = stream_nothing_accepted(policy, COPY, 200)
