@@ -37,6 +37,8 @@ class PolicyConfig:
     probe_every: int = 128            # costly proposers that are off still try k=1 this often:
                                       # a probe first catches the draft up over the idle stretch
                                       # (measured: 2.3-3.2 s for ~128 tokens, 0.5B on 2 cores)
+    unbudgeted: bool = False          # the n-gram policy as before 2026-11-24 (no loss budget,
+                                      # min_gain 1.0): the bench's ngram-unbudgeted mode
 
 
 @dataclass

@@ -5,6 +5,7 @@ No timing is asserted: a benchmark prints numbers, it does not test them."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from click.testing import CliRunner
 
 from localspec.bench import (DEFAULT_WORKLOADS, Bench, BenchSettings, Case, Row, first_difference,
                              geomean, load_workloads, parse_modes, read_source, summarize)
+from localspec.adaptive import AdaptiveConfig
 from localspec.bench import format_rows, format_summary
 from localspec.cli.bench import bench, main
 from localspec.errors import LocalspecError
@@ -93,7 +95,11 @@ def test_parse_modes_puts_plain_first_and_reads_fixed_k():
     assert [m.proposer for m in modes] == ["none", "ngram", "peer", "ngram"]
     assert [(m.proposer, m.fixed_k) for m in parse_modes("draft,hybrid-k2")] == \
         [("draft", None), ("hybrid", 2)]
-    for bad in ("fast", "plain-k2", "ngram-kx", ""):
+    unbudgeted = parse_modes("plain,ngram-unbudgeted")[1]
+    assert (unbudgeted.proposer, unbudgeted.fixed_k, unbudgeted.policy.unbudgeted) == \
+        ("ngram", None, True)
+    assert not parse_modes("ngram")[0].policy.unbudgeted
+    for bad in ("fast", "plain-k2", "ngram-kx", "", "draft-unbudgeted"):
         with pytest.raises(LocalspecError):
             parse_modes(bad)
 
@@ -134,10 +140,14 @@ def test_bench_on_tiny_model_ngram_modes_match_plain(tiny_path, small_workloads)
     cases = load_workloads(small_workloads)
     lines = []
     settings = BenchSettings(str(tiny_path), max_tokens=16, n_ctx=2048)
-    with Bench(parse_modes("plain,ngram,ngram-k3,peer"), settings, say=lines.append) as b:
+    modes = ("plain", "ngram", "ngram-k3", "ngram-unbudgeted", "peer")
+    with Bench(parse_modes(",".join(modes)), settings, say=lines.append) as b:
         rows = b.run(cases)
-    assert [(r.case, r.mode) for r in rows] == [(c.id, m) for c in cases
-                                                for m in ("plain", "ngram", "ngram-k3", "peer")]
+        policies = {m: b.engines[m]._policy(None).config for m in ("ngram", "ngram-unbudgeted")}
+    assert [(r.case, r.mode) for r in rows] == [(c.id, m) for c in cases for m in modes]
+    assert policies["ngram"].loss_budget == AdaptiveConfig().loss_budget
+    assert (policies["ngram-unbudgeted"].loss_budget, policies["ngram-unbudgeted"].min_gain) == \
+        (math.inf, 1.0)
     for r in rows:
         assert r.generated_tokens > 0 and r.ttft_ms > 0
         assert r.prompt_tokens == rows[0].prompt_tokens or r.case != rows[0].case

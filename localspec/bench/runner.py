@@ -36,7 +36,8 @@ Say = Callable[[str], None]
 @dataclass(frozen=True)
 class Mode:
     """plain | ngram, draft, hybrid (adaptive k) | ngram-kN, draft-kN, hybrid-kN (always N
-    drafts) | peer | peer-kN (N predicted)."""
+    drafts) | ngram-unbudgeted (the adaptive policy before its loss budget, to compare the two
+    in one run) | peer | peer-kN (N predicted)."""
 
     name: str
     fixed_k: Optional[int] = None
@@ -47,7 +48,14 @@ class Mode:
 
     @property
     def proposer(self) -> str:
-        return "none" if self.name == "plain" else self.name.partition("-k")[0]
+        return "none" if self.name == "plain" else self.name.partition("-")[0]
+
+    @property
+    def policy(self) -> PolicyConfig:
+        return PolicyConfig(fixed_k=self.fixed_k, unbudgeted=self.name == UNBUDGETED)
+
+
+UNBUDGETED = "ngram-unbudgeted"
 
 
 def parse_modes(text: str) -> list:
@@ -57,12 +65,13 @@ def parse_modes(text: str) -> list:
     modes = []
     for name in (s.strip() for s in text.split(",") if s.strip()):
         base, _, k = name.partition("-k")
-        if base not in bases or (k and not k.isdigit()) or \
-                (k and base == "plain"):
+        if name != UNBUDGETED and (base not in bases or (k and not k.isdigit()) or
+                                   (k and base == "plain")):
             raise LocalspecError(f"unknown mode {name!r}; use plain, ngram, draft, hybrid, peer, "
-                                 "or one of those but plain with -kN (e.g. ngram-k3).")
+                                 "one of those but plain with -kN (e.g. ngram-k3), or "
+                                 f"{UNBUDGETED}.")
         if name not in [m.name for m in modes]:
-            modes.append(Mode(name, int(k) if k else None))
+            modes.append(Mode(name, int(k) if k and name != UNBUDGETED else None))
     modes.sort(key=lambda m: m.name != "plain")
     if not modes:
         raise LocalspecError("no modes given; e.g. --modes plain,ngram,peer.")
@@ -118,7 +127,7 @@ class Bench:
                                        n_ctx=settings.n_ctx, n_threads=settings.n_threads,
                                        n_gpu_layers=settings.n_gpu_layers, exact=settings.exact,
                                        cache_mb=0,    # every request starts cold
-                                       policy=PolicyConfig(fixed_k=m.fixed_k))
+                                       policy=m.policy)
                     self.engines[m.name] = Engine(self.model, cfg, progress=say)
         except Exception:
             self.close()
