@@ -61,10 +61,14 @@ def test_near_ties_cut_steps_in_the_replay_and_the_bound_avoids_them():
     assert rp.replay_case(tied, make, XEON).speedup <= rp.bound_case(tied, XEON)
 
 
-@pytest.mark.skipif(not RECORDING.exists(), reason="no committed recording")
+RECORDINGS = [RECORDING] + [RECORDING.with_name(f"policy_{name}_zen4.json")
+                            for name in ("plain", "heldout", "heldout2")]
+
+
+@pytest.mark.parametrize("recording", RECORDINGS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("curve", [XEON, EPYC], ids=["xeon", "epyc"])
-def test_recorded_cases_score_the_same_twice_and_never_above_their_bound(curve):
-    cases = rp.load(str(RECORDING))
+def test_recorded_cases_score_the_same_twice_and_never_above_their_bound(curve, recording):
+    cases = rp.load(str(recording))
     picked = {c.kind: c for c in cases}.values()                  # one case of each kind
     for case in picked:
         bound = rp.bound_case(case, curve)
