@@ -11,7 +11,8 @@ acceptance model and the guard belong to one request (they learn the text).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from .acceptance import AcceptanceConfig, AcceptanceModel, DraftFeatures, RequestState
@@ -105,6 +106,11 @@ class AdaptiveConfig:
                                   # steep CPUs wait for evidence that the text copies long runs
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+
+    def unbudgeted(self) -> "AdaptiveConfig":
+        """The policy as it was before 2026-11-24 (no loss budget, min_gain 1.0), kept so the
+        replay and the bench (mode ngram-unbudgeted) can compare the two."""
+        return replace(self, min_gain=1.0, loss_budget=math.inf)
 
 
 class AdaptivePolicy:

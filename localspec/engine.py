@@ -7,13 +7,12 @@ the target's context, the loop and lifetimes; factory.py builds the model and th
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -321,7 +320,7 @@ class Engine:
         config = override or self.config.policy
         adaptive = AdaptiveConfig(k_max=config.k_max, fixed_k=config.fixed_k)
         if config.unbudgeted:
-            adaptive = replace(adaptive, min_gain=1.0, loss_budget=math.inf)
+            adaptive = adaptive.unbudgeted()
         if config.fixed_k is not None:    # no choice to make: no cost curve to measure
             flat = [1.0] * (config.k_max + 1)
             return AdaptivePolicy(CostModel(flat, config=CostConfig(online=False)), adaptive,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import defaultdict
@@ -72,7 +71,7 @@ def make_policies(names, prior, weights=None):
         # the adaptive policy before the loss budget and min_gain 1.1 (2026-11-24)
         "unbudgeted": lambda: AdaptivePolicy(
             CostModel(prior, rp.BASE_MS, CostConfig()),
-            AdaptiveConfig(acceptance=acc, min_gain=1.0, loss_budget=math.inf)),
+            AdaptiveConfig(acceptance=acc).unbudgeted()),
     }
     return {n: makers[n] for n in names}
 
