@@ -6,6 +6,7 @@ from __future__ import annotations
 import doctest
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -293,6 +294,11 @@ def test_regret_guard_turns_speculation_off_within_a_bounded_number_of_steps():
     assert first_off <= GuardConfig().min_steps
     assert policy.guard.n_backoffs >= 1
     assert sum(drafted) <= 3 * GuardConfig().min_steps        # probes stay short and rare
+    # With the loss budget on (the default), a request that never shows a right guess never
+    # risks a draft at all on a CPU where one missed token costs half a step
+    budgeted = AdaptivePolicy(CostModel(XEON, MS), replace(cfg, loss_budget=0.4))
+    budgeted.start()
+    assert sum(stream_nothing_accepted(budgeted, COPY, 200)) == 0
 
 
 def test_regret_guard_probes_again_and_backs_off_longer_each_time():
