@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from localspec.adaptive import AdaptiveConfig
 from localspec.bench import (DEFAULT_WORKLOADS, Bench, BenchSettings, Case, Row, first_difference,
                              geomean, load_workloads, parse_modes, read_source, summarize)
-from localspec.adaptive import AdaptiveConfig
 from localspec.bench import format_rows, format_summary
 from localspec.cli.bench import bench, main
 from localspec.errors import LocalspecError
