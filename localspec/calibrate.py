@@ -125,6 +125,26 @@ def _write(path, ctx: Context, curve: CostCurve, remeasured: int) -> None:
     os.replace(tmp, path)
 
 
+def newest_cached(model_name: str, threads: int):
+    """(CostCurve, path) of the newest curve cached here for a model file name and thread count
+    (whatever device or build measured it), or None: what `localspec calibrate` measured last,
+    for tools that have no context to compute a key from (the policy replay)."""
+    found = []
+    for path in cache_dir("calibration").glob("*.json"):
+        try:
+            data = json.loads(path.read_text())
+            ok = data.get("threads") == threads and str(data.get("model", "")).endswith(model_name)
+            curve = _read_curve(path, len(data["ratios"]) - 1, path.stem) if ok else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if curve is not None:
+            found.append((path.stat().st_mtime, str(path), curve))
+    if not found:
+        return None
+    _, path, curve = max(found, key=lambda t: t[:2])
+    return curve, path
+
+
 def _read_curve(path, k_max: int, key: str):
     """The curve stored at `path`, or None unless it has the shape a measurement writes:
     ratios r(0..k_max) of numbers >= 1 starting at 1, and a positive step time."""

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .acceptance import PLAIN
+from .calibrate import newest_cached
 from .errors import LocalspecError
-from .files import cache_dir
 from .proposers import NgramProposer
 
 BASE_MS = 60.0     # a plain step, for the timings handed to policies (only ratios matter)
@@ -102,20 +102,12 @@ def curve_from_json(path: str) -> list:
 def calibrated_curve(model_name: str, threads: int) -> tuple:
     """(r(0..), path) of this machine's newest cached calibration of `model_name` (a GGUF file
     name) with `threads` threads: the curve `localspec calibrate` measured here last."""
-    found = []
-    for p in cache_dir("calibration").glob("*.json"):
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        if (isinstance(data, dict) and data.get("threads") == threads and
-                str(data.get("model", "")).endswith(model_name)):
-            found.append((p.stat().st_mtime, p))
-    if not found:
+    found = newest_cached(model_name, threads)
+    if found is None:
         raise LocalspecError(f"no calibration of {model_name} with {threads} threads on this "
                              f"machine: run `localspec calibrate --threads {threads}` first")
-    path = str(max(found)[1])
-    return curve_from_json(path), path
+    curve, path = found
+    return list(curve.ratios), path
 
 
 @dataclass

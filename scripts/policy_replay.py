@@ -1,7 +1,8 @@
 """Design tool for the draft policy: record plain greedy outputs with the features the acceptance
 model needs, fit its prior, and replay policies offline against any cost curve.
 
-    python scripts/policy_replay.py record out.json [--threads 2] [--exact] [--workloads F] [--model M]
+    python scripts/policy_replay.py record out.json [--threads 2] [--exact] [--workloads F]
+           [--model M]
     python scripts/policy_replay.py replay out.json [--curve here|epyc|xeon|FILE.json|1,1.5,...]
            [--prior-curve ...] [--policies old,new] [--cv] [--threads 2] [--per-case]
     python scripts/policy_replay.py fit out.json [--folds 2]

@@ -71,7 +71,7 @@ def parse_modes(text: str) -> list:
                                  "one of those but plain with -kN (e.g. ngram-k3), or "
                                  f"{UNBUDGETED}.")
         if name not in [m.name for m in modes]:
-            modes.append(Mode(name, int(k) if k and name != UNBUDGETED else None))
+            modes.append(Mode(name, int(k) if k else None))
     modes.sort(key=lambda m: m.name != "plain")
     if not modes:
         raise LocalspecError("no modes given; e.g. --modes plain,ngram,peer.")
