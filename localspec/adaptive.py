@@ -144,9 +144,12 @@ class AdaptivePolicy:
         """p_0..p_{n-1} of the proposal's positions (n capped by k_max)."""
         return self.acceptance.probs(self._logits(f))
 
-    def _logits(self, f: DraftFeatures) -> list:
-        """The proposal's prior logits, kept for observe_step() to learn from."""
+    def _logits(self, f: DraftFeatures, depth: Optional[int] = None) -> list:
+        """The proposal's prior logits of its first `depth` positions (None: all it may draft),
+        kept for observe_step() to learn from."""
         n = min(len(f.tokens), self.config.k_max, self.cost.k_max)
+        if depth is not None:
+            n = min(n, depth)
         base = self.acceptance.base_logits(f, n, self.state)
         self._seen = (f, base)
         return base
@@ -154,25 +157,33 @@ class AdaptivePolicy:
     def choose_draft(self, f: DraftFeatures) -> int:
         if self.config.fixed_k is not None:
             return max(0, min(self.config.fixed_k, len(f.tokens)))
-        base = self._logits(f)          # also when off: the plain step learns from them
-        if not self.guard.allows() or not base:
+        r = self.cost.ratio_list()
+        depth = self._depth(r) if self.guard.allows() else 0
+        base = self._logits(f, max(1, depth))   # also when off: the plain step learns from p_0
+        if not depth or not base:
             return 0
         p = self.acceptance.probs(base)
         # argmax over k of E(k) / r(k), E(k) = 1 + p_0 + p_0 p_1 + ... (expected_by_k), in
-        # floats: 1-16 positions, every step. A draft of k that misses at once costs r(k) - 1
-        # plain steps: no more than the budget this request's copying so far has earned
-        # (on a GPU, r(k) ~ 1: never binding; on a 2-core CPU, 15 drafts risk ~6 steps).
-        r = self.cost.ratio_list()
-        budget = 1.0 + self.config.loss_budget * (self.state.longest + 1)
+        # floats: 1-16 positions, every step.
         best_k, best, run, e = 0, self.config.min_gain, 1.0, 1.0
         for k, pk in enumerate(p, 1):
-            if r[k] > budget:
-                break
             run *= pk
             e += run
             if e / r[k] > best:
                 best_k, best = k, e / r[k]
         return best_k
+
+    def _depth(self, r: Sequence[float]) -> int:
+        """How many drafts the loss budget lets this request risk: the k before the first whose
+        r(k) - 1 plain steps lost (a draft missing at once) exceed `loss_budget` x (the longest
+        run of right guesses the request has shown + 1). On a GPU, r(k) ~ 1: never binding; on
+        a 2-core CPU, 15 drafts risk ~6 steps. Only these positions are predicted: on chat, 2-5
+        of up to 16 (the Python per step that runs whether or not anything is drafted)."""
+        budget = 1.0 + self.config.loss_budget * (self.state.longest + 1)
+        n, d = min(self.config.k_max, len(r) - 1), 0
+        while d < n and r[d + 1] <= budget:
+            d += 1
+        return d
 
     def observe_step(self, f: Optional[DraftFeatures], k: int, n_accepted: int,
                      emitted: Sequence[int], verify_ms: Optional[float] = None,

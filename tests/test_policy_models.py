@@ -246,6 +246,15 @@ def test_deep_drafts_wait_for_the_request_to_show_long_copied_runs():
     gpu.start()
     gpu.state = RequestState(streak=0, recent=0.95)
     assert gpu.choose_draft(f) == 16                      # r(k) ~ 1: the budget never binds
+    # Only the positions the budget lets it draft are predicted (the per-step Python of chat,
+    # where most steps draft nothing): one for a plain step, which learns from position 0.
+    asked = []
+    predict = policy.acceptance.base_logits
+    policy.acceptance.base_logits = lambda f, n, state: asked.append(n) or predict(f, n, state)
+    for longest in (0, 1, 3, 40):
+        policy.state = RequestState(streak=longest, recent=0.95, longest=longest)
+        policy.choose_draft(f)
+    assert asked == [1, 1, 3, 16]
     seen = RequestState()
     for hits in (3, 0, 5, 1):                             # the longest run is remembered
         seen.verified(f, 8, hits, [0] * (hits + 1))
