@@ -8,12 +8,15 @@ row's top-2 margin is under `tie_margin` (as the engine does), and the step is c
 r(k) + c from the "true" cost curve (c: the proposer's own cost). The policy is told the step's
 verify time as r(k) x `base_ms`, so a cost model that learns online sees the true curve even
 when its prior (the cached curve) is another one. Score = (n - 1) plain steps / that cost.
+With `timing_noise` the times told to the policy jitter as on a shared machine (the score is
+still charged the true curve): what online cost learning does with noisy timings.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -128,13 +131,30 @@ def run_length(tokens: Sequence[int], out: Sequence[int], t: int) -> int:
     return n
 
 
+SPIKE_RATE, SPIKE = 0.03, (1.5, 2.5)   # timing noise: 3% of steps descheduled, 1.5-2.5x
+
+
+def jitter(sigma: float, seed: str) -> Callable[[float], float]:
+    """ms -> ms as a shared machine reports it: log-normal noise of `sigma` and occasional
+    descheduled steps; a fixed sequence per seed (replays stay deterministic)."""
+    rng = random.Random(seed)
+
+    def noisy(ms: float) -> float:
+        ms *= math.exp(rng.gauss(0.0, sigma))
+        return ms * rng.uniform(*SPIKE) if rng.random() < SPIKE_RATE else ms
+    return noisy
+
+
 def replay_case(case: Recorded, make_policy: Callable, curve: Sequence[float], *,
                 propose_cost: float = 0.0, tie_margin: float = 0.25, ngram_max: int = 8,
-                tie: str = "earliest", k_max: int = 16, trace: Optional[list] = None) -> CaseScore:
+                tie: str = "earliest", k_max: int = 16, trace: Optional[list] = None,
+                timing_noise: float = 0.0, seed: int = 0) -> CaseScore:
     """Run one recorded case through NgramProposer + make_policy() against the true `curve`;
-    `trace` (a list) collects (t, k, n_accepted, n_emitted, matching run) per step."""
+    `trace` (a list) collects (t, k, n_accepted, n_emitted, matching run) per step;
+    `timing_noise` > 0: the policy is told jittered times (jitter(), seeded by seed and case)."""
     out, n = case.out, len(case.out)
     policy = make_policy()
+    told = jitter(timing_noise, f"{seed}:{case.id}") if timing_noise > 0 else (lambda ms: ms)
     prop = _proposer(case, ngram_max, tie)
     score = CaseScore(1.0)
     try:
@@ -150,7 +170,7 @@ def replay_case(case: Recorded, make_policy: Callable, curve: Sequence[float], *
             recheck = step is not None and step <= n_acc
             emitted = out[t:t + (step if recheck else n_acc + 1)]
             step_cost = curve[k] + (0.0 if recheck and proposal is None else propose_cost)
-            policy.observe_step(f, k, n_acc, emitted, verify_ms=curve[k] * BASE_MS,
+            policy.observe_step(f, k, n_acc, emitted, verify_ms=told(curve[k] * BASE_MS),
                                 propose_ms=propose_cost * BASE_MS)
             if trace is not None:
                 trace.append((t, k, n_acc, len(emitted),

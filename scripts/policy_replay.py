@@ -5,6 +5,7 @@ model needs, fit its prior, and replay policies offline against any cost curve.
            [--model M]
     python scripts/policy_replay.py replay out.json [--curve here|epyc|xeon|FILE.json|1,1.5,...]
            [--prior-curve ...] [--policies old,new] [--cv] [--threads 2] [--per-case]
+           [--timing-noise 0.08]
     python scripts/policy_replay.py fit out.json [--folds 2]
 
 Greedy speculation emits plain decoding's tokens, so every step can be scored without the model
@@ -14,7 +15,9 @@ policy takes, and how often a policy drafted in cases whose bound is under 1.05x
 `--curve` is what steps really cost: by default this machine's newest `localspec calibrate`
 of the recording's model (`here`), or a calibration / `bench --json` file, a named curve, or a
 list starting at r(0) = 1. `--prior-curve` is what the policies believe (the cached calibration;
-default: the same); `--cv` replays each case with an acceptance prior fitted on the other fold.
+default: the same); `--cv` replays each case with an acceptance prior fitted on the other fold;
+`--timing-noise` tells the policies jittered step times (the online cost model then learns from
+noise, as on a shared machine; `new-fixed-cost` ignores timings).
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def replay(a) -> None:
         bounds[c.kind].append((c, b))
         for name, make in make_policies(names, prior, w).items():
             s = rp.replay_case(c, make, curve, propose_cost=a.propose_cost,
-                               tie_margin=a.tie_margin)
+                               tie_margin=a.tie_margin, timing_noise=a.timing_noise)
             scores[name][c.kind].append((c, s))
     if a.per_case:
         print_cases(names, scores, bounds)
@@ -199,6 +202,10 @@ def main() -> None:
     rep.add_argument("--tie-margin", type=float, default=0.25)
     rep.add_argument("--cv", action="store_true")
     rep.add_argument("--per-case", action="store_true", help="a row per case before the table")
+    rep.add_argument("--timing-noise", type=float, default=0.0, metavar="SIGMA",
+                     help="tell the policies jittered step times (log-normal SIGMA, e.g. 0.08, "
+                          "and 3%% descheduled steps), as a shared machine does; scores still "
+                          "use the true curve")
     ft = sub.add_parser("fit")
     ft.add_argument("path")
     ft.add_argument("--folds", type=int, default=2)

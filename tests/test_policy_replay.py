@@ -147,3 +147,32 @@ def test_recording_a_workloads_file_on_a_real_model_replays(tmp_path, tiny_path)
     for case in rp.load(str(out)):
         bound = rp.bound_case(case, EPYC)
         assert rp.replay_case(case, policies(EPYC)["new"], EPYC).speedup <= bound + 1e-9
+
+
+def test_timing_noise_is_seeded_and_only_what_the_policy_is_told():
+    """--timing-noise: the cost model learns from jittered times, the score is still charged
+    the true curve, and a replay stays deterministic (the same case, the same jitter)."""
+    case = next(c for c in rp.load(str(RECORDING)) if c.kind == "code-edit")
+    make = policies(EPYC)["new"]
+    a = rp.replay_case(case, make, EPYC, propose_cost=0.002, timing_noise=0.1, seed=1)
+    assert a == rp.replay_case(case, make, EPYC, propose_cost=0.002, timing_noise=0.1, seed=1)
+    assert a.speedup <= rp.bound_case(case, EPYC) + 1e-9
+    told = []
+    rp.replay_case(case, lambda: Told(make(), told), EPYC, timing_noise=0.1, seed=1)
+    ratios = [ms / (EPYC[k] * rp.BASE_MS) for k, ms in told]
+    assert len(set(round(r, 9) for r in ratios)) > len(ratios) // 2     # jittered...
+    assert 0.9 < sorted(ratios)[len(ratios) // 2] < 1.1                 # ...around the truth
+
+
+class Told:
+    """A policy wrapper that records (k, verify_ms) as the replay tells them."""
+
+    def __init__(self, policy, log):
+        self.policy, self.log = policy, log
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def observe_step(self, f, k, n_accepted, emitted, verify_ms=None, propose_ms=0.0):
+        self.log.append((k, verify_ms))
+        self.policy.observe_step(f, k, n_accepted, emitted, verify_ms, propose_ms)
