@@ -162,6 +162,10 @@ def test_timing_noise_is_seeded_and_only_what_the_policy_is_told():
     ratios = [ms / (EPYC[k] * rp.BASE_MS) for k, ms in told]
     assert len(set(round(r, 9) for r in ratios)) > len(ratios) // 2     # jittered...
     assert 0.9 < sorted(ratios)[len(ratios) // 2] < 1.1                 # ...around the truth
+    # a policy whose choices ignore timings scores the same: steps are charged the true curve
+    fixed = lambda: AdaptivePolicy(CostModel(EPYC, rp.BASE_MS), AdaptiveConfig(fixed_k=3))
+    assert rp.replay_case(case, fixed, EPYC, timing_noise=0.3, seed=2) == \
+        rp.replay_case(case, fixed, EPYC)
 
 
 class Told:
