@@ -5,7 +5,7 @@ model needs, fit its prior, and replay policies offline against any cost curve.
            [--model M]
     python scripts/policy_replay.py replay out.json [--curve here|epyc|xeon|FILE.json|1,1.5,...]
            [--prior-curve ...] [--policies old,new] [--cv] [--threads 2] [--per-case]
-           [--timing-noise 0.08]
+           [--timing-noise 0.08] [--variant NAME:min_gain=1.2,...] [--calibration]
     python scripts/policy_replay.py fit out.json [--folds 2]
 
 Greedy speculation emits plain decoding's tokens, so every step can be scored without the model
@@ -17,20 +17,23 @@ of the recording's model (`here`), or a calibration / `bench --json` file, a nam
 list starting at r(0) = 1. `--prior-curve` is what the policies believe (the cached calibration;
 default: the same); `--cv` replays each case with an acceptance prior fitted on the other fold;
 `--timing-noise` tells the policies jittered step times (the online cost model then learns from
-noise, as on a shared machine; `new-fixed-cost` ignores timings).
+noise, as on a shared machine; `new-fixed-cost` ignores timings). `--variant` adds the adaptive
+policy with some settings changed (what a design question usually is), `--calibration` prints
+where its acceptance model over- or under-predicts, per kind and draft length.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from collections import defaultdict
 
 from localspec import replay as rp
-from localspec.acceptance import FEATURES, AcceptanceConfig
-from localspec.adaptive import AdaptiveConfig, AdaptivePolicy
+from localspec.acceptance import FEATURES, AcceptanceConfig, expected_tokens
+from localspec.adaptive import AdaptiveConfig, AdaptivePolicy, GuardConfig
 from localspec.costmodel import CostConfig, CostModel
 from localspec.errors import LocalspecError
 from localspec.policy import DraftPolicy, PolicyConfig
@@ -64,8 +67,72 @@ def parse_curve(text, data, threads=2):
     return rp.extend_curve(points, 16)
 
 
-def make_policies(names, prior, weights=None):
+def parse_variants(texts) -> dict:
+    """--variant NAME:key=value,... -> {NAME: {key: value}}: the adaptive policy ("new") with
+    settings changed, e.g. `tight:min_gain=1.2,guard.threshold=1.0`. Keys: AdaptiveConfig's
+    fields, guard.<GuardConfig field>, acceptance.<AcceptanceConfig field but weights>,
+    cost.<CostConfig field>; values are numbers (inf allowed) or true/false."""
+    out = {}
+    for text in texts or ():
+        name, _, body = text.partition(":")
+        if not name or not body or name in POLICY_NAMES:
+            raise LocalspecError(f"--variant {text!r}: expected NAME:key=value,... with a new "
+                                 f"NAME (not one of {', '.join(POLICY_NAMES)})")
+        settings = {}
+        for item in body.split(","):
+            key, eq, value = item.strip().partition("=")
+            if key not in SETTABLE or not eq:
+                raise LocalspecError(f"--variant {name}: cannot set {item.strip()!r}; settable: "
+                                     f"{', '.join(sorted(SETTABLE))} (as key=value)")
+            settings[key] = _setting(name, key, value.strip())
+        out[name] = settings
+    return out
+
+
+def _fields(cls, prefix="", skip=()):
+    return {prefix + f.name: f.default for f in dataclasses.fields(cls)
+            if f.name not in skip and f.default is not dataclasses.MISSING}
+
+
+SETTABLE = {**_fields(AdaptiveConfig, skip=("fixed_k",)), **_fields(GuardConfig, "guard."),
+            **_fields(AcceptanceConfig, "acceptance.", skip=("weights",)),
+            **_fields(CostConfig, "cost.")}
+
+
+def _setting(name, key, value):
+    default = SETTABLE[key]
+    try:
+        if isinstance(default, bool):
+            if value not in ("true", "false"):
+                raise ValueError
+            return value == "true"
+        return int(value) if isinstance(default, int) else float(value)
+    except ValueError:
+        kind = "true/false" if isinstance(default, bool) else type(default).__name__
+        raise LocalspecError(f"--variant {name}: {key}={value!r} is not a {kind}") from None
+
+
+def _variant(settings, acc):
+    """AdaptiveConfig and CostConfig of the adaptive policy with `settings` applied."""
+    groups = defaultdict(dict)
+    for key, value in settings.items():
+        group, _, field = key.rpartition(".")
+        groups[group][field] = value
+    config = dataclasses.replace(
+        AdaptiveConfig(acceptance=dataclasses.replace(acc, **groups["acceptance"]),
+                       guard=GuardConfig(**groups["guard"])), **groups[""])
+    return config, CostConfig(**groups["cost"])
+
+
+POLICY_NAMES = ("old", "new", "new-fixed-cost", "unbudgeted")
+
+
+def make_policies(names, prior, weights=None, variants=None):
     acc = AcceptanceConfig(weights=tuple(weights)) if weights is not None else AcceptanceConfig()
+    unknown = [n for n in names if n not in POLICY_NAMES and n not in (variants or {})]
+    if unknown:
+        raise LocalspecError(f"--policies: unknown policy {unknown[0]!r}; known: "
+                             f"{', '.join(POLICY_NAMES)} and any --variant")
     makers = {
         "old": lambda: DraftPolicy(prior, PolicyConfig()),
         "new": lambda: AdaptivePolicy(CostModel(prior, rp.BASE_MS, CostConfig()),
@@ -77,6 +144,10 @@ def make_policies(names, prior, weights=None):
             CostModel(prior, rp.BASE_MS, CostConfig()),
             AdaptiveConfig(acceptance=acc).unbudgeted()),
     }
+    for name, settings in (variants or {}).items():
+        config, cost = _variant(settings, acc)
+        makers[name] = (lambda config=config, cost=cost:
+                        AdaptivePolicy(CostModel(prior, rp.BASE_MS, cost), config))
     return {n: makers[n] for n in names}
 
 
@@ -98,26 +169,82 @@ def replay(a) -> None:
     cases = rp.load(a.path)
     curve = parse_curve(a.curve, data, a.threads)
     prior = parse_curve(a.prior_curve, data, a.threads) if a.prior_curve else curve
-    names = a.policies.split(",")
+    variants = parse_variants(a.variant)
+    names = [n for n in a.policies.split(",") if n]
+    names += [n for n in variants if n not in names]
+    make_policies(names, prior, None, variants)          # unknown names: an error before any work
     print(f"true cost r(k):  {', '.join(f'{r:.2f}' for r in curve)}")
     if prior != curve:
         print(f"policy's prior:  {', '.join(f'{r:.2f}' for r in prior)}")
     cv = fold_weights(cases, 2) if a.cv else None
     scores = defaultdict(lambda: defaultdict(list))    # name -> kind -> [(case, score)]
     bounds = defaultdict(list)
+    calibration = defaultdict(lambda: [0, 0.0, 0.0, 0.0])   # (name, kind, k's bucket) -> sums
     t0 = time.perf_counter()
     for c in cases:
         w = cv[0][cv[1][c.id]] if cv else None
         b = rp.bound_case(c, curve, tie_margin=a.tie_margin)
         bounds[c.kind].append((c, b))
-        for name, make in make_policies(names, prior, w).items():
+        for name, make in make_policies(names, prior, w, variants).items():
+            if a.calibration:
+                make = (lambda make=make, key=(name, c.kind):
+                        Calibrated(make(), curve, calibration, key))
             s = rp.replay_case(c, make, curve, propose_cost=a.propose_cost,
                                tie_margin=a.tie_margin, timing_noise=a.timing_noise)
             scores[name][c.kind].append((c, s))
     if a.per_case:
         print_cases(names, scores, bounds)
     print_table(names, scores, bounds)
+    if a.calibration:
+        print_calibration(names, calibration)
     print(f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+
+
+K_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16))
+
+
+class Calibrated:
+    """An adaptive policy, watched: for each step that drafts k, the tokens its acceptance model
+    expected (E(k) = 1 + p_0 + p_0 p_1 + ...) and the tokens the step emitted, both over the true
+    r(k), summed into sums[(name, kind, k's bucket)]. The policy decides exactly as unwatched."""
+
+    def __init__(self, policy, curve, sums, key):
+        self.policy, self.curve, self.sums, self.key = policy, curve, sums, key
+        self._expected = None
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def choose_draft(self, f):
+        k = self.policy.choose_draft(f)
+        self._expected = expected_tokens(self.policy.predict(f), k) \
+            if k and hasattr(self.policy, "predict") else None
+        return k
+
+    def observe_step(self, f, k, n_accepted, emitted, verify_ms=None, propose_ms=0.0):
+        if k and self._expected is not None:
+            bucket = next(b for b in K_BUCKETS if b[0] <= k <= b[1])
+            row = self.sums[self.key + (bucket,)]
+            row[0] += 1
+            row[1] += self._expected
+            row[2] += len(emitted)
+            row[3] += self.curve[k]
+        self._expected = None
+        self.policy.observe_step(f, k, n_accepted, emitted, verify_ms, propose_ms)
+
+
+def print_calibration(names, sums) -> None:
+    """Where the acceptance model is wrong: per policy, kind and k, the gain over plain its
+    drafting steps were predicted to make and the gain they made (tokens / r(k))."""
+    print("\ndrafting steps: gain predicted by the acceptance model vs realised (tokens / r(k))")
+    print(f"{'policy':16s} {'kind':10s} {'k':>5s} {'steps':>6s} {'predicted':>10s} "
+          f"{'realised':>9s}")
+    order = {n: i for i, n in enumerate(names)}
+    for (name, kind, (lo, hi)), (n, expected, emitted, cost) in sorted(
+            sums.items(), key=lambda kv: (order[kv[0][0]],) + kv[0][1:]):
+        k = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        print(f"{name:16s} {kind:10s} {k:>5s} {n:6d} {expected / cost:10.3f} "
+              f"{emitted / cost:9.3f}")
 
 
 def print_cases(names, scores, bounds) -> None:
@@ -202,6 +329,13 @@ def main() -> None:
     rep.add_argument("--tie-margin", type=float, default=0.25)
     rep.add_argument("--cv", action="store_true")
     rep.add_argument("--per-case", action="store_true", help="a row per case before the table")
+    rep.add_argument("--variant", action="append", metavar="NAME:key=value,...",
+                     help="also replay the adaptive policy with settings changed, e.g. "
+                          "tight:min_gain=1.2,loss_budget=0.6,guard.threshold=1.0 (repeatable; "
+                          "keys: AdaptiveConfig fields, guard.*, acceptance.*, cost.*)")
+    rep.add_argument("--calibration", action="store_true",
+                     help="after the table: per policy, kind and k, the gain its drafting steps "
+                          "were predicted to make against the gain they made")
     rep.add_argument("--timing-noise", type=float, default=0.0, metavar="SIGMA",
                      help="tell the policies jittered step times (log-normal SIGMA, e.g. 0.08, "
                           "and 3%% descheduled steps), as a shared machine does; scores still "

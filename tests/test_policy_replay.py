@@ -180,3 +180,31 @@ class Told:
     def observe_step(self, f, k, n_accepted, emitted, verify_ms=None, propose_ms=0.0):
         self.log.append((k, verify_ms))
         self.policy.observe_step(f, k, n_accepted, emitted, verify_ms, propose_ms)
+
+
+def test_replay_script_variants_and_calibration(tmp_path):
+    """--variant adds the adaptive policy with settings changed; --calibration prints what its
+    drafting steps were predicted to gain against what they gained; bad settings are one line."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "policy_replay.py"
+    cmd = [sys.executable, str(script), "replay", str(RECORDING), "--curve", "xeon",
+           "--policies", "new", "--propose-cost", "0.002"]
+    ok = subprocess.run(cmd + ["--variant", "never:min_gain=99", "--calibration"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    lines = ok.stdout.splitlines()
+    never = next(line for line in lines if line.startswith("never "))
+    assert never.split()[1::4] == ["0.998x"] * 3          # never drafts: plain + propose cost
+    head = lines.index("drafting steps: gain predicted by the acceptance model vs realised "
+                       "(tokens / r(k))")
+    rows = [line.split() for line in lines[head + 2:]]
+    assert rows and all(r[0] == "new" for r in rows)       # "never" drafted nothing
+    code = [r for r in rows if r[1] == "code-edit"]
+    assert code and all(float(r[4]) > 1.0 and float(r[5]) > 0 for r in code)
+    for bad, says in (("x:foo=1", "error: --variant x: cannot set 'foo=1'"),
+                      ("x:min_gain=abc", "error: --variant x: min_gain='abc' is not a float"),
+                      ("new:min_gain=2", "error: --variant 'new:min_gain=2': expected")):
+        out = subprocess.run(cmd + ["--variant", bad], capture_output=True, text=True)
+        assert out.returncode == 1 and out.stdout == "" and out.stderr.startswith(says)
+        assert len(out.stderr.strip().splitlines()) == 1
+    out = subprocess.run(cmd[:-4] + ["--policies", "nope"], capture_output=True, text=True)
+    assert out.returncode == 1 and out.stderr.startswith("error: --policies: unknown policy")
