@@ -62,7 +62,7 @@ def test_near_ties_cut_steps_in_the_replay_and_the_bound_avoids_them():
 
 
 RECORDINGS = [RECORDING] + [RECORDING.with_name(f"policy_{name}_zen4.json")
-                            for name in ("plain", "heldout", "heldout2")]
+                            for name in ("plain", "heldout", "heldout2", "heldout3")]
 
 
 @pytest.mark.parametrize("recording", RECORDINGS, ids=lambda p: p.stem)
