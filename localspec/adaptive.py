@@ -157,8 +157,10 @@ class AdaptivePolicy:
     def choose_draft(self, f: DraftFeatures) -> int:
         if self.config.fixed_k is not None:
             return max(0, min(self.config.fixed_k, len(f.tokens)))
-        r = self.cost.ratio_list()
-        depth = self._depth(r) if self.guard.allows() else 0
+        depth, r = 0, None
+        if self.guard.allows():         # paused: the cost curve is not read (its refit waits)
+            r = self.cost.ratio_list()
+            depth = self._depth(r)
         base = self._logits(f, max(1, depth))   # also when off: the plain step learns from p_0
         if not depth or not base:
             return 0

@@ -134,7 +134,7 @@ def newest_cached(model_name: str, threads: int):
         try:
             data = json.loads(path.read_text())
             ok = data.get("threads") == threads and str(data.get("model", "")).endswith(model_name)
-            curve = _read_curve(path, len(data["ratios"]) - 1, path.stem) if ok else None
+            curve = _parse_curve(data, len(data["ratios"]) - 1, path.stem) if ok else None
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
         if curve is not None:
@@ -146,10 +146,17 @@ def newest_cached(model_name: str, threads: int):
 
 
 def _read_curve(path, k_max: int, key: str):
-    """The curve stored at `path`, or None unless it has the shape a measurement writes:
+    """The curve stored at `path`, or None unless it has the shape a measurement writes."""
+    try:
+        return _parse_curve(json.loads(path.read_text()), k_max, key)
+    except (OSError, ValueError):
+        return None
+
+
+def _parse_curve(data, k_max: int, key: str):
+    """The curve in a cache file's JSON, or None unless it has the shape a measurement writes:
     ratios r(0..k_max) of numbers >= 1 starting at 1, and a positive step time."""
     try:
-        data = json.loads(path.read_text())
         ratios, ms = data["ratios"], data["ms_per_step"]
         if not (isinstance(ratios, list) and len(ratios) == k_max + 1
                 and all(isinstance(r, (int, float)) and r >= 1.0 for r in ratios)
@@ -159,5 +166,5 @@ def _read_curve(path, k_max: int, key: str):
         if isinstance(data.get("stability"), dict):
             notes["stability"] = Stability(**data["stability"])
         return CostCurve(tuple(float(r) for r in ratios), float(ms), key, notes)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None

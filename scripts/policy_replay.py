@@ -127,12 +127,16 @@ def _variant(settings, acc):
 POLICY_NAMES = ("old", "new", "new-fixed-cost", "unbudgeted")
 
 
-def make_policies(names, prior, weights=None, variants=None):
-    acc = AcceptanceConfig(weights=tuple(weights)) if weights is not None else AcceptanceConfig()
-    unknown = [n for n in names if n not in POLICY_NAMES and n not in (variants or {})]
+def check_policies(names, variants) -> None:
+    unknown = [n for n in names if n not in POLICY_NAMES and n not in variants]
     if unknown:
         raise LocalspecError(f"--policies: unknown policy {unknown[0]!r}; known: "
                              f"{', '.join(POLICY_NAMES)} and any --variant")
+
+
+def make_policies(names, prior, weights=None, variants=None):
+    acc = AcceptanceConfig(weights=tuple(weights)) if weights is not None else AcceptanceConfig()
+    check_policies(names, variants or {})
     makers = {
         "old": lambda: DraftPolicy(prior, PolicyConfig()),
         "new": lambda: AdaptivePolicy(CostModel(prior, rp.BASE_MS, CostConfig()),
@@ -172,7 +176,7 @@ def replay(a) -> None:
     variants = parse_variants(a.variant)
     names = [n for n in a.policies.split(",") if n]
     names += [n for n in variants if n not in names]
-    make_policies(names, prior, None, variants)          # unknown names: an error before any work
+    check_policies(names, variants)                       # before any work
     print(f"true cost r(k):  {', '.join(f'{r:.2f}' for r in curve)}")
     if prior != curve:
         print(f"policy's prior:  {', '.join(f'{r:.2f}' for r in prior)}")
