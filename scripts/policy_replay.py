@@ -6,7 +6,8 @@ model needs, fit its prior, and replay policies offline against any cost curve.
     python scripts/policy_replay.py replay out.json [--curve here|epyc|xeon|FILE.json|1,1.5,...]
            [--prior-curve ...] [--policies old,new] [--cv] [--threads 2] [--per-case]
            [--timing-noise 0.08] [--variant NAME:min_gain=1.2,...] [--calibration]
-    python scripts/policy_replay.py fit out.json [--folds 2]
+           [--refit-on other.json,...]
+    python scripts/policy_replay.py fit out.json [more.json ...] [--folds 2]
 
 Greedy speculation emits plain decoding's tokens, so every step can be scored without the model
 (localspec/replay.py says how). `replay` prints, per kind, each policy's speedup over plain in
@@ -19,7 +20,9 @@ default: the same); `--cv` replays each case with an acceptance prior fitted on 
 `--timing-noise` tells the policies jittered step times (the online cost model then learns from
 noise, as on a shared machine; `new-fixed-cost` ignores timings). `--variant` adds the adaptive
 policy with some settings changed (what a design question usually is), `--calibration` prints
-where its acceptance model over- or under-predicts, per kind and draft length.
+where its acceptance model over- or under-predicts, per kind and draft length; `--refit-on`
+adds the adaptive policy with its acceptance prior refitted on other recordings (the replayed
+one left out), which is how a prior fitted on more data is judged.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from localspec import replay as rp
 from localspec.acceptance import FEATURES, AcceptanceConfig, expected_tokens
@@ -127,16 +131,21 @@ def _variant(settings, acc):
 POLICY_NAMES = ("old", "new", "new-fixed-cost", "unbudgeted")
 
 
-def check_policies(names, variants) -> None:
-    unknown = [n for n in names if n not in POLICY_NAMES and n not in variants]
+def check_policies(names, variants, refit=False) -> None:
+    unknown = [n for n in names if n not in POLICY_NAMES and n not in variants and
+               not (refit and n == "refit")]
     if unknown:
         raise LocalspecError(f"--policies: unknown policy {unknown[0]!r}; known: "
-                             f"{', '.join(POLICY_NAMES)} and any --variant")
+                             f"{', '.join(POLICY_NAMES)}, any --variant, and refit with "
+                             f"--refit-on")
 
 
-def make_policies(names, prior, weights=None, variants=None):
+def make_policies(names, prior, weights=None, variants=None, refit=None):
+    """{name: maker} of the named policies, believing the cost curve `prior`; `weights` replace
+    the shipped acceptance prior (--cv), `refit` is the prior of the "refit" policy
+    (--refit-on)."""
     acc = AcceptanceConfig(weights=tuple(weights)) if weights is not None else AcceptanceConfig()
-    check_policies(names, variants or {})
+    check_policies(names, variants or {}, refit is not None)
     makers = {
         "old": lambda: DraftPolicy(prior, PolicyConfig()),
         "new": lambda: AdaptivePolicy(CostModel(prior, rp.BASE_MS, CostConfig()),
@@ -148,11 +157,47 @@ def make_policies(names, prior, weights=None, variants=None):
             CostModel(prior, rp.BASE_MS, CostConfig()),
             AdaptiveConfig(acceptance=acc).unbudgeted()),
     }
+    if refit is not None:
+        makers["refit"] = lambda: AdaptivePolicy(
+            CostModel(prior, rp.BASE_MS, CostConfig()),
+            AdaptiveConfig(acceptance=AcceptanceConfig(weights=tuple(refit))))
     for name, settings in (variants or {}).items():
         config, cost = _variant(settings, acc)
         makers[name] = (lambda config=config, cost=cost:
                         AdaptivePolicy(CostModel(prior, rp.BASE_MS, cost), config))
     return {n: makers[n] for n in names}
+
+
+def load_recording(path) -> list:
+    """rp.load, with a one-line error for a file that is missing or not a recording."""
+    try:
+        return rp.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise LocalspecError(f"cannot read the recording {path}: {e!r:.200}") from None
+
+
+def load_many(paths) -> list:
+    """The cases of several recordings; with more than one, ids are prefixed by the file's
+    name (the same workloads recorded on two CPUs share their ids)."""
+    if len(paths) == 1:
+        return load_recording(paths[0])
+    return [dataclasses.replace(c, id=f"{Path(p).stem}/{c.id}")
+            for p in paths for c in load_recording(p)]
+
+
+def refit_prior(paths, replayed):
+    """--refit-on: an acceptance prior fitted on the cases of `paths`, the replayed recording
+    left out (leave-one-recording-out), with a line saying what it was fitted on."""
+    paths = [p for p in paths if Path(p).resolve() != Path(replayed).resolve()]
+    if not paths:
+        raise LocalspecError("--refit-on: no recording left to fit on once the replayed one is "
+                             "left out")
+    cases = load_many(paths)
+    w = rp.fit_prior([rp.training_rows(c) for c in cases])
+    names = ", ".join(Path(p).name for p in paths)
+    print(f"refit's prior: fitted on {len(cases)} cases of {names}: "
+          f"({', '.join(f'{v:.3f}' for v in w)})")
+    return w
 
 
 def fold_weights(cases, folds):
@@ -169,17 +214,21 @@ def fold_weights(cases, folds):
 
 
 def replay(a) -> None:
+    cases = load_recording(a.path)
     data = json.load(open(a.path))
-    cases = rp.load(a.path)
     curve = parse_curve(a.curve, data, a.threads)
     prior = parse_curve(a.prior_curve, data, a.threads) if a.prior_curve else curve
     variants = parse_variants(a.variant)
     names = [n for n in a.policies.split(",") if n]
     names += [n for n in variants if n not in names]
-    check_policies(names, variants)                       # before any work
+    check_policies(names, variants, bool(a.refit_on))     # before any work
     print(f"true cost r(k):  {', '.join(f'{r:.2f}' for r in curve)}")
     if prior != curve:
         print(f"policy's prior:  {', '.join(f'{r:.2f}' for r in prior)}")
+    refit = None
+    if a.refit_on:
+        names += [] if "refit" in names else ["refit"]
+        refit = refit_prior([p for text in a.refit_on for p in text.split(",") if p], a.path)
     cv = fold_weights(cases, 2) if a.cv else None
     scores = defaultdict(lambda: defaultdict(list))    # name -> kind -> [(case, score)]
     bounds = defaultdict(list)
@@ -189,7 +238,7 @@ def replay(a) -> None:
         w = cv[0][cv[1][c.id]] if cv else None
         b = rp.bound_case(c, curve, tie_margin=a.tie_margin)
         bounds[c.kind].append((c, b))
-        for name, make in make_policies(names, prior, w, variants).items():
+        for name, make in make_policies(names, prior, w, variants, refit).items():
             if a.calibration:
                 make = (lambda make=make, key=(name, c.kind):
                         Calibrated(make(), curve, calibration, key))
@@ -293,7 +342,7 @@ def print_table(names, scores, bounds) -> None:
 
 def fit(a) -> None:
     import numpy as np
-    cases = rp.load(a.path)
+    cases = load_many(a.paths)
     weights, fold_of, rows = fold_weights(cases, a.folds)
     for f, w in weights.items():
         if a.folds == 1:
@@ -340,12 +389,16 @@ def main() -> None:
     rep.add_argument("--calibration", action="store_true",
                      help="after the table: per policy, kind and k, the gain its drafting steps "
                           "were predicted to make against the gain they made")
+    rep.add_argument("--refit-on", action="append", metavar="REC.json,...",
+                     help="also replay the adaptive policy as `refit`, its acceptance prior "
+                          "fitted on these recordings (the replayed one left out): does more "
+                          "or other data make a better prior than the shipped one?")
     rep.add_argument("--timing-noise", type=float, default=0.0, metavar="SIGMA",
                      help="tell the policies jittered step times (log-normal SIGMA, e.g. 0.08, "
                           "and 3%% descheduled steps), as a shared machine does; scores still "
                           "use the true curve")
     ft = sub.add_parser("fit")
-    ft.add_argument("path")
+    ft.add_argument("paths", nargs="+", metavar="path", help="one or more recordings")
     ft.add_argument("--folds", type=int, default=2)
     a = ap.parse_args()
     try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from localspec import replay as rp
+from localspec.acceptance import PRIOR_WEIGHTS
 from localspec.adaptive import AdaptiveConfig, AdaptivePolicy
 from localspec.costmodel import CostModel
 from localspec.errors import LocalspecError
@@ -62,7 +63,7 @@ def test_near_ties_cut_steps_in_the_replay_and_the_bound_avoids_them():
 
 
 RECORDINGS = [RECORDING] + [RECORDING.with_name(f"policy_{name}_zen4.json")
-                            for name in ("plain", "heldout", "heldout2", "heldout3")]
+                            for name in ("plain", "heldout", "heldout2", "heldout3", "heldout4")]
 
 
 @pytest.mark.parametrize("recording", RECORDINGS, ids=lambda p: p.stem)
@@ -208,3 +209,36 @@ def test_replay_script_variants_and_calibration(tmp_path):
         assert len(out.stderr.strip().splitlines()) == 1
     out = subprocess.run(cmd[:-4] + ["--policies", "nope"], capture_output=True, text=True)
     assert out.returncode == 1 and out.stderr.startswith("error: --policies: unknown policy")
+
+
+def test_prior_refitted_on_other_recordings_replays_beside_the_shipped_one():
+    """fit takes several recordings (ids kept apart); replay --refit-on adds a `refit` policy
+    whose prior is fitted on the other recordings, leaving the replayed one out."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "policy_replay.py"
+    ho3, ho4 = (RECORDING.with_name(f"policy_heldout{n}_zen4.json") for n in (3, 4))
+    fit = subprocess.run([sys.executable, str(script), "fit", str(ho3), str(ho4), "--folds", "1"],
+                         capture_output=True, text=True)
+    assert fit.returncode == 0, fit.stderr
+    rows = sum(len(rp.training_rows(c)[1]) for p in (ho3, ho4) for c in rp.load(str(p)))
+    assert f"all cases: {rows} rows" in fit.stdout and "PRIOR_WEIGHTS = (" in fit.stdout
+    cmd = [sys.executable, str(script), "replay", str(ho4), "--curve", "epyc", "--policies",
+           "new", "--refit-on", f"{ho3},{ho4}"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    head = f"refit's prior: fitted on {len(rp.load(str(ho3)))} cases of {ho3.name}: ("
+    refit_line = next(line for line in lines if line.startswith("refit's prior"))
+    assert refit_line.startswith(head)
+    weights = [float(w) for w in refit_line[len(head):].rstrip(")").split(", ")]
+    assert len(weights) == len(PRIOR_WEIGHTS) and weights != list(PRIOR_WEIGHTS)
+    refit, bound = (next(line.split() for line in lines if line.startswith(name + " "))
+                    for name in ("refit", "bound"))
+    for mine, best in ((refit[1], bound[1]), (refit[5], bound[4])):   # summarize, chat
+        assert 0.5 < float(mine.rstrip("x")) <= float(best.rstrip("x")) + 1e-9
+    alone = subprocess.run(cmd[:-1] + [str(ho4)], capture_output=True, text=True)
+    assert alone.returncode == 1 and alone.stderr.strip().splitlines() == [
+        "error: --refit-on: no recording left to fit on once the replayed one is left out"]
+    missing = subprocess.run(cmd[:-1] + [str(ho3.with_name("nope.json"))], capture_output=True,
+                             text=True)
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
+    assert missing.stderr.startswith("error: cannot read the recording ")
