@@ -63,6 +63,8 @@ class CostModel:
         self._w = np.zeros(len(self.prior))          # decayed observation weight per k
         self._sy = np.zeros(len(self.prior))         # decayed sum of log ms per k
         self._s = self._p.copy()                     # current s_k
+        self._s_list = self._s.tolist()              # the same, read by every observe()
+        self._k_max = len(self.prior) - 1
         self._b = self._b0
         self._r = self.prior.tolist()                # current r(k), floats: read every step
         self._pending: list = []                     # (k, log ms) observed since the last solve
@@ -100,11 +102,11 @@ class CostModel:
     def observe(self, k: int, ms: float) -> None:
         """One timed verify batch of k drafts (k + 1 rows)."""
         c = self.config
-        if not c.online or ms <= 0 or not 0 <= k <= self.k_max:
+        if not c.online or ms <= 0 or not 0 <= k <= self._k_max:
             return
         y = math.log(ms)
         if self._b is not None:   # clip against the prediction as of the last solve
-            pred = self._b + self._s[k]
+            pred = self._b + self._s_list[k]
             y = pred + max(-c.clip, min(c.clip, y - pred))
         self._pending.append((k, y))    # decayed into _w, _sy at the next solve
         self.n_observed += 1
@@ -134,7 +136,7 @@ class CostModel:
         b = self._solve_b(m, w, seen, lam)
         s = (w * (m - b) + lam * self._p) / (w + lam)
         s[0] = 0.0
-        self._b, self._s = b, s
+        self._b, self._s, self._s_list = float(b), s, s.tolist()
         self._r = np.maximum(1.0, np.exp(s)).tolist()
 
     def _fold_pending(self) -> None:

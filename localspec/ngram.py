@@ -30,6 +30,7 @@ NGRAM_MAX = 8
 NGRAM_TIE = TIE_EARLIEST
 _TOKEN_MAX = 2**31 - 1
 _SMALL_K = 64  # k up to this is used as is: no length look-ups in the per-step path
+_ERR_FULL = lib.LSNG_ERR_FULL
 _alloc = ffi.new_allocator(should_clear_after_alloc=False)  # lsng_index_init lays it out
 
 
@@ -117,6 +118,8 @@ class NgramIndex:
         self._match = ffi.new("lsng_match *")  # the last propose()'s result (tests read .pos)
         self._query = ffi.new("lsng_match *")  # support()'s argument, reused
         self._n_occ = ffi.new("int32_t *")
+        self._tokens_out = ffi.new("int32_t[]", _SMALL_K)   # propose_supported()'s, reused
+        self._agree_out = ffi.new("int32_t[]", _SMALL_K)
         self._mem, self._history = self._new_index(capacity)
         self._doc_mem, self._document, self._doc_len = None, ffi.NULL, 0
         self._closed = False
@@ -144,17 +147,19 @@ class NgramIndex:
             arr = _as_tokens(tokens, "append")
             buf = ffi.from_buffer("int32_t[]", arr)
         n = len(buf)
-        need = lib.lsng_len(history) + n
-        capacity = lib.lsng_capacity(history)
-        if need > capacity:
+        rc = lib.lsng_append(history, buf, n)      # the per-step path: one call
+        if rc == _ERR_FULL:
+            need = lib.lsng_len(history) + n
             if need > MAX_CAPACITY:
                 raise ValueError(f"append: the history would hold {need} tokens, "
                                  f"more than the limit of 2**30")
+            capacity = lib.lsng_capacity(history)
             while capacity < need:
                 capacity = min(2 * capacity, MAX_CAPACITY)
             self._grow(capacity)
-        rc = lib.lsng_append(self._history, buf, n)
-        _check(rc, "append")
+            rc = lib.lsng_append(self._history, buf, n)
+        if rc:
+            _check(rc, "append")
 
     def _grow(self, capacity: int) -> None:
         """Move the history into a block of `capacity` tokens: O(n), amortised by doubling."""
@@ -246,6 +251,36 @@ class NgramIndex:
                                 ffi.from_buffer("int32_t[]", agree) if n else ffi.NULL, n_occ),
                "support")
         return int(n_occ[0]), agree
+
+    def propose_supported(self, k: int):
+        """propose(k) and support() of what it found, in one call and as plain Python values:
+        (tokens, source, ngram_len, n_occ, agree) with tokens and agree lists, or None when
+        nothing follows a match. The per-step path of the n-gram proposer: for k <= 64 it
+        writes into buffers kept for it, with no numpy arrays made per step.
+
+        >>> idx = NgramIndex(ngram_min=1, ngram_max=1, tie="earliest")
+        >>> idx.append([1, 5, 6, 1, 5, 7, 1])
+        >>> idx.propose_supported(2)
+        ([5, 6], 0, 1, 2, [2, 1])
+        """
+        if type(k) is not int or not 0 <= k <= _SMALL_K:
+            m = self.propose(k)
+            if not len(m.tokens):
+                return None
+            n_occ, agree = self.support(m)
+            return m.tokens.tolist(), m.source, m.ngram_len, n_occ, agree.tolist()
+        history, m, out = self._live(), self._match, self._tokens_out
+        rc = lib.lsng_propose(history, self._document, k, out, m)
+        if rc:
+            _check(rc, "propose")
+        n = m.n_tokens
+        if not n:
+            return None
+        agree = self._agree_out
+        rc = lib.lsng_support(history, self._document, m, out, agree, self._n_occ)
+        if rc:
+            _check(rc, "support")
+        return ffi.unpack(out, n), m.source, m.ngram_len, self._n_occ[0], ffi.unpack(agree, n)
 
     def candidates(self, k: int, n: int) -> list[Match]:
         """Up to n distinct continuations: propose(k)'s first, then for each suffix length

@@ -100,14 +100,13 @@ class NgramProposer(Proposer):
 
     def features(self, room: int, k_max: int) -> Optional[DraftFeatures]:
         """The continuation the matcher offers now, with its occurrence support; None: no match."""
-        m = self._index.propose(min(k_max, room))
-        if len(m.tokens) == 0:
+        found = self._index.propose_supported(min(k_max, room))
+        if found is None:
             return None
-        n_occ, agree = self._index.support(m)
-        source = "document" if m.source == SOURCE_DOCUMENT else "history"
-        tokens = m.tokens.tolist()
+        tokens, source, ngram_len, n_occ, agree = found
         breaks = self._classes(tokens) if self._classes is not None else None
-        return DraftFeatures(tokens, source, m.ngram_len, n_occ, agree.tolist(), breaks)
+        return DraftFeatures(tokens, "document" if source == SOURCE_DOCUMENT else "history",
+                             ngram_len, n_occ, agree, breaks)
 
     def propose(self, policy, room: int) -> Proposal:
         """policy: anything with config.k_max and choose_draft(DraftFeatures) -> k

@@ -299,6 +299,8 @@ def check(idx, ref, rng):
         assert (m.tokens.tolist(), m.source, m.ngram_len, idx._match.pos) == ref.propose(k)
         n_occ, agree = idx.support(m)
         assert (n_occ, agree.tolist()) == ref.support(m.tokens.tolist(), m.source, m.ngram_len)
+        both = (m.tokens.tolist(), m.source, m.ngram_len, n_occ, agree.tolist())
+        assert idx.propose_supported(k) == (both if len(m.tokens) else None)   # the fast path
     else:
         n = int(rng.integers(0, 9)) if rng.random() < 0.8 else int(rng.integers(9, 300))
         got = [(c.tokens.tolist(), c.source, c.ngram_len) for c in idx.candidates(k, n)]
