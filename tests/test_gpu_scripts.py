@@ -5,6 +5,7 @@ step counts, the prototype swapped in and out); their timings are not."""
 
 from __future__ import annotations
 
+import doctest
 import importlib.util
 import sys
 from pathlib import Path
@@ -60,6 +61,11 @@ def test_step_overhead_adaptive_mode_times_plain_and_ngram(tiny_path):
     for r in rows:      # 3 chats x 2 reps, each up to 10 tokens, every step seen by the clock
         assert 6 <= r["steps"] <= 60 and r["device_ms"] > 0
     assert rows[0]["tokens_per_step"] == 1.0 and "drafted" in rows[1]
+    assert all(r["overhead_mean_ms"] > 0 for r in rows)
+
+
+def test_step_overhead_docstring_examples():
+    assert doctest.testmod(load("step_overhead")).failed == 0
 
 
 def test_gpu_measure_curve_and_identity_on_the_tiny_model(tiny_path):
