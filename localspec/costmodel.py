@@ -62,8 +62,7 @@ class CostModel:
         self._b0 = math.log(ms_per_step) if ms_per_step else None
         self._w = np.zeros(len(self.prior))          # decayed observation weight per k
         self._sy = np.zeros(len(self.prior))         # decayed sum of log ms per k
-        self._s = self._p.copy()                     # current s_k
-        self._s_list = self._s.tolist()              # the same, read by every observe()
+        self._s = self._p.tolist()                   # current s_k, floats: read every observe()
         self._k_max = len(self.prior) - 1
         self._b = self._b0
         self._r = self.prior.tolist()                # current r(k), floats: read every step
@@ -74,7 +73,7 @@ class CostModel:
 
     @property
     def k_max(self) -> int:
-        return len(self.prior) - 1
+        return self._k_max
 
     @property
     def slope(self) -> float:
@@ -106,7 +105,7 @@ class CostModel:
             return
         y = math.log(ms)
         if self._b is not None:   # clip against the prediction as of the last solve
-            pred = self._b + self._s_list[k]
+            pred = self._b + self._s[k]
             y = pred + max(-c.clip, min(c.clip, y - pred))
         self._pending.append((k, y))    # decayed into _w, _sy at the next solve
         self.n_observed += 1
@@ -136,7 +135,7 @@ class CostModel:
         b = self._solve_b(m, w, seen, lam)
         s = (w * (m - b) + lam * self._p) / (w + lam)
         s[0] = 0.0
-        self._b, self._s, self._s_list = float(b), s, s.tolist()
+        self._b, self._s = float(b), s.tolist()
         self._r = np.maximum(1.0, np.exp(s)).tolist()
 
     def _fold_pending(self) -> None:
