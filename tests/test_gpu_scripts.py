@@ -80,3 +80,16 @@ def test_gpu_measure_curve_and_identity_on_the_tiny_model(tiny_path):
         assert m["identical"] + len(m["diverged"]) == 20
         assert all(d["top2_gap"] < 0.5 for d in m["diverged"])      # only near-ties may flip
     assert ident["scripted-k8"]["drafted"] > 0
+
+
+def test_tiled_crossover_times_both_settings_in_their_own_processes(tiny_path, capsys):
+    tc = load("tiled_crossover")
+    tc.main(["--model", str(tiny_path), "--threads", "1", "--pairs", "1", "--reps", "1",
+             "--sizes", "1,8,9"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["1", "8", "9"]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+    assert rows[0][3] == "1.000"                  # the one size under 8: its own reference
+    # the table's arithmetic: off/on of a size over the median off/on of the sizes under 8
+    pair = ({1: 2.0, 2: 4.0, 4: 8.0, 8: 10.0}, {1: 1.0, 2: 2.2, 4: 4.0, 8: 4.0})
+    assert tc.table([pair], [1, 2, 4, 8])[3] == (8, 10.0, 4.0, [0.8])
