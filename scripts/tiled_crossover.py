@@ -31,7 +31,7 @@ def child(model: str, threads: int, sizes: list, reps: int) -> dict:
     from localspec.llama import Context, ContextParams, Model
 
     with Model(resolve_model(model, progress=False)) as m, \
-            Context(m, ContextParams(64 + max(sizes), 512, threads)) as ctx:
+            Context(m, ContextParams(64 + max(sizes), max(512, max(sizes)), threads)) as ctx:
         vocab = m.n_vocab
         ctx.decode([(7 * i + 3) % vocab for i in range(32)], logits="none")
         base = ctx.n_past
