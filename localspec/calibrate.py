@@ -11,6 +11,7 @@ import json
 import os
 import time
 from dataclasses import asdict
+from typing import Optional, Sequence
 
 from .costmodel import Stability, round_stability
 from .files import cache_dir
@@ -33,30 +34,40 @@ def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
+def time_batches(ctx: Context, sizes: Sequence[int], reps: int,
+                 all_rows_upto: Optional[int] = None) -> list:
+    """Seconds of one decode of a batch of each size after a 32-token prefix: [reps][sizes],
+    rounds over every size, so drift on a shared machine hits all sizes alike. Logits of every
+    row (a verify batch's), or of the last only past `all_rows_upto` rows (a prefill's). Leaves
+    the context empty."""
+    ctx.clear()
+    vocab = ctx.model.n_vocab
+    ctx.decode([(7 * i + 3) % vocab for i in range(32)], logits="none")
+    base = ctx.n_past
+    batches = [[(11 * j + 5) % vocab for j in range(n)] for n in sizes]
+    ctx.decode(batches[0][:1], logits="all")      # warm-up
+    ctx.truncate(base)
+    rounds = []
+    for _ in range(reps):
+        row = []
+        for toks in batches:
+            rows = "all" if all_rows_upto is None or len(toks) <= all_rows_upto else "last"
+            t = time.perf_counter()
+            ctx.decode(toks, logits=rows)
+            row.append(time.perf_counter() - t)
+            ctx.truncate(base)
+        rounds.append(row)
+    ctx.clear()
+    return rounds
+
+
 def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
     """Decode batches of 1..k_max+1 tokens after a short prefix; keep the fastest of `reps` rounds.
 
     Leaves the context empty. Costs about reps * sum(r(k)) one-token decodes. notes["stability"]
     says how well the rounds agreed (costmodel.round_stability).
     """
-    ctx.clear()
-    vocab = ctx.model.n_vocab
-    prefix = [(7 * i + 3) % vocab for i in range(32)]
-    ctx.decode(prefix, logits="none")
-    base = ctx.n_past
-    batches = [[(11 * j + 5) % vocab for j in range(k + 1)] for k in range(k_max + 1)]
-    ctx.decode(batches[0], logits="all")          # warm-up
-    ctx.truncate(base)
-    rounds = []
-    for _ in range(reps):  # rounds over every k, so drift on a shared machine hits all k alike
-        row = []
-        for toks in batches:
-            t = time.perf_counter()
-            ctx.decode(toks, logits="all")
-            row.append(time.perf_counter() - t)
-            ctx.truncate(base)
-        rounds.append(row)
-    ctx.clear()
+    rounds = time_batches(ctx, range(1, k_max + 2), reps)
     times = [min(r[k] for r in rounds) for k in range(k_max + 1)]  # noise only ever adds time
     one = times[0]
     ratios = [max(1.0, t / one) for t in times]

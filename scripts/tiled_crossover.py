@@ -22,30 +22,18 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 
 def child(model: str, threads: int, sizes: list, reps: int) -> dict:
     """In a fresh process whose environment already holds the switch: fastest ms per size."""
+    from localspec.calibrate import time_batches
     from localspec.catalog import resolve_model
     from localspec.llama import Context, ContextParams, Model
 
     with Model(resolve_model(model, progress=False)) as m, \
             Context(m, ContextParams(64 + max(sizes), max(512, max(sizes)), threads)) as ctx:
-        vocab = m.n_vocab
-        ctx.decode([(7 * i + 3) % vocab for i in range(32)], logits="none")
-        base = ctx.n_past
-        ctx.decode([5], logits="all")             # warm-up
-        ctx.truncate(base)
-        best = {n: float("inf") for n in sizes}
-        for _ in range(reps):                     # every size in every round
-            for n in sizes:
-                toks = [(11 * j + 5) % vocab for j in range(n)]
-                t = time.perf_counter()
-                ctx.decode(toks, logits="all" if n <= 33 else "last")  # verify sizes: all rows
-                best[n] = min(best[n], 1000.0 * (time.perf_counter() - t))
-                ctx.truncate(base)
-    return best
+        rounds = time_batches(ctx, sizes, reps, all_rows_upto=33)  # verify sizes: every row
+    return {n: 1000.0 * min(r[i] for r in rounds) for i, n in enumerate(sizes)}
 
 
 def run_pair(model: str, threads: int, sizes: list, reps: int) -> tuple:
