@@ -6,7 +6,7 @@ model needs, fit its prior, and replay policies offline against any cost curve.
     python scripts/policy_replay.py replay out.json [--curve here|epyc|xeon|FILE.json|1,1.5,...]
            [--prior-curve ...] [--policies old,new] [--cv] [--threads 2] [--per-case]
            [--timing-noise 0.08] [--variant NAME:min_gain=1.2,...] [--calibration]
-           [--refit-on other.json,...]
+           [--shortfall] [--refit-on other.json,...]
     python scripts/policy_replay.py fit out.json [more.json ...] [--folds 2]
 
 Greedy speculation emits plain decoding's tokens, so every step can be scored without the model
@@ -20,7 +20,8 @@ default: the same); `--cv` replays each case with an acceptance prior fitted on 
 `--timing-noise` tells the policies jittered step times (the online cost model then learns from
 noise, as on a shared machine; `new-fixed-cost` ignores timings). `--variant` adds the adaptive
 policy with some settings changed (what a design question usually is), `--calibration` prints
-where its acceptance model over- or under-predicts, per kind and draft length; `--refit-on`
+where its acceptance model over- or under-predicts, per kind and draft length, `--shortfall`
+where it falls short of the bound and why (scripts/replay_watch.py); `--refit-on`
 adds the adaptive policy with its acceptance prior refitted on other recordings (the replayed
 one left out), which is how a prior fitted on more data is judged.
 """
@@ -36,11 +37,12 @@ from collections import defaultdict
 from pathlib import Path
 
 from localspec import replay as rp
-from localspec.acceptance import FEATURES, AcceptanceConfig, expected_tokens
+from localspec.acceptance import FEATURES, AcceptanceConfig
 from localspec.adaptive import AdaptiveConfig, AdaptivePolicy, GuardConfig
 from localspec.costmodel import CostConfig, CostModel
 from localspec.errors import LocalspecError
 from localspec.policy import DraftPolicy, PolicyConfig
+from replay_watch import Calibrated, Shortfall, print_calibration, print_shortfall
 
 CURVES = {  # DESIGN.md "The cost model"; Qwen2.5-Coder-1.5B Q4_K_M, 2 threads
     "epyc": rp.extend_curve([1, 1.48, 1.96, 2.22, 2.68], 16, {8: 5.9, 16: 8.4}),
@@ -233,6 +235,8 @@ def replay(a) -> None:
     scores = defaultdict(lambda: defaultdict(list))    # name -> kind -> [(case, score)]
     bounds = defaultdict(list)
     calibration = defaultdict(lambda: [0, 0.0, 0.0, 0.0])   # (name, kind, k's bucket) -> sums
+    shortfall = defaultdict(lambda: [0, 0, 0.0, 0, 0.0])   # (name, kind, where) -> sums
+    costs = defaultdict(lambda: [0.0, 0.0])     # (name, kind) -> [its cost, the bound's]
     t0 = time.perf_counter()
     for c in cases:
         w = cv[0][cv[1][c.id]] if cv else None
@@ -242,62 +246,22 @@ def replay(a) -> None:
             if a.calibration:
                 make = (lambda make=make, key=(name, c.kind):
                         Calibrated(make(), curve, calibration, key))
+            if a.shortfall:
+                make = (lambda make=make, key=(name, c.kind), c=c:
+                        Shortfall(make(), curve, c, shortfall, key, a.tie_margin))
             s = rp.replay_case(c, make, curve, propose_cost=a.propose_cost,
                                tie_margin=a.tie_margin, timing_noise=a.timing_noise)
             scores[name][c.kind].append((c, s))
+            costs[name, c.kind][0] += s.cost
+            costs[name, c.kind][1] += (len(c.out) - 1) / b
     if a.per_case:
         print_cases(names, scores, bounds)
     print_table(names, scores, bounds)
     if a.calibration:
         print_calibration(names, calibration)
+    if a.shortfall:
+        print_shortfall(names, shortfall, costs)
     print(f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-
-
-K_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16))
-
-
-class Calibrated:
-    """An adaptive policy, watched: for each step that drafts k, the tokens its acceptance model
-    expected (E(k) = 1 + p_0 + p_0 p_1 + ...) and the tokens the step emitted, both over the true
-    r(k), summed into sums[(name, kind, k's bucket)]. The policy decides exactly as unwatched."""
-
-    def __init__(self, policy, curve, sums, key):
-        self.policy, self.curve, self.sums, self.key = policy, curve, sums, key
-        self._expected = None
-
-    def __getattr__(self, name):
-        return getattr(self.policy, name)
-
-    def choose_draft(self, f):
-        k = self.policy.choose_draft(f)
-        self._expected = expected_tokens(self.policy.predict(f), k) \
-            if k and hasattr(self.policy, "predict") else None
-        return k
-
-    def observe_step(self, f, k, n_accepted, emitted, verify_ms=None, propose_ms=0.0):
-        if k and self._expected is not None:
-            bucket = next(b for b in K_BUCKETS if b[0] <= k <= b[1])
-            row = self.sums[self.key + (bucket,)]
-            row[0] += 1
-            row[1] += self._expected
-            row[2] += len(emitted)
-            row[3] += self.curve[k]
-        self._expected = None
-        self.policy.observe_step(f, k, n_accepted, emitted, verify_ms, propose_ms)
-
-
-def print_calibration(names, sums) -> None:
-    """Where the acceptance model is wrong: per policy, kind and k, the gain over plain its
-    drafting steps were predicted to make and the gain they made (tokens / r(k))."""
-    print("\ndrafting steps: gain predicted by the acceptance model vs realised (tokens / r(k))")
-    print(f"{'policy':16s} {'kind':10s} {'k':>5s} {'steps':>6s} {'predicted':>10s} "
-          f"{'realised':>9s}")
-    order = {n: i for i, n in enumerate(names)}
-    for (name, kind, (lo, hi)), (n, expected, emitted, cost) in sorted(
-            sums.items(), key=lambda kv: (order[kv[0][0]],) + kv[0][1:]):
-        k = f"{lo}" if lo == hi else f"{lo}-{hi}"
-        print(f"{name:16s} {kind:10s} {k:>5s} {n:6d} {expected / cost:10.3f} "
-              f"{emitted / cost:9.3f}")
 
 
 def print_cases(names, scores, bounds) -> None:
@@ -389,6 +353,11 @@ def main() -> None:
     rep.add_argument("--calibration", action="store_true",
                      help="after the table: per policy, kind and k, the gain its drafting steps "
                           "were predicted to make against the gain they made")
+    rep.add_argument("--shortfall", action="store_true",
+                     help="after the table: per policy and kind, where it falls short of the "
+                          "bound: matches it did not draft (and why not: predicted under "
+                          "plain, under min_gain, the loss budget, the guard), rows drafted "
+                          "past the first rejection, runs drafted in part")
     rep.add_argument("--refit-on", action="append", metavar="REC.json,...",
                      help="also replay the adaptive policy as `refit`, its acceptance prior "
                           "fitted on these recordings (the replayed one left out): does more "

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,67 @@ def test_prior_refitted_on_other_recordings_replays_beside_the_shipped_one():
                              text=True)
     assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
     assert missing.stderr.startswith("error: cannot read the recording ")
+
+
+def _replay_watch():
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    if str(scripts) not in sys.path:
+        sys.path.insert(0, str(scripts))
+    import replay_watch
+    return replay_watch
+
+
+def test_shortfall_counts_the_matches_a_policy_left_undrafted():
+    """A policy that never drafts, on output copied from its prompt: every proposal lands in a
+    'not drafted' row, each right, and what drafting the matching runs would have saved is
+    (j + 1) - r(j) per step, j the run (capped by what is left of the output)."""
+    watch = _replay_watch()
+    case = synthetic([5, 1, 2, 3, 4, 6, 7, 8], [1, 2, 3, 4, 6, 7, 8])
+    sums = defaultdict(lambda: [0, 0, 0.0, 0, 0.0])
+
+    def make():
+        policy = AdaptivePolicy(CostModel(XEON, rp.BASE_MS), AdaptiveConfig(min_gain=99.0))
+        return watch.Shortfall(policy, XEON, case, sums, ("never", "code-edit"))
+    s = rp.replay_case(case, make, XEON)
+    assert s.spec_steps == 0 and s.steps == len(case.out) - 1
+    rows = {where: row for (_, _, where), row in sums.items()}
+    assert set(rows) <= set(watch.MISSED[:2])               # below plain or under min_gain
+    steps = sum(r[0] for r in rows.values())
+    assert steps == s.steps and sum(r[1] for r in rows.values()) == steps   # all right
+    left = [len(case.out) - t - 1 for t in range(1, len(case.out))]         # run at t: to the end
+    want = sum(max(0.0, j + 1 - XEON[j]) for j in left)
+    assert abs(sum(r[2] for r in rows.values()) - want) < 1e-9
+
+
+def test_replay_script_shortfall_watches_without_changing_a_decision():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "policy_replay.py"
+    cmd = [sys.executable, str(script), "replay", str(RECORDING), "--curve", "xeon",
+           "--policies", "old,new", "--variant", "never:min_gain=99"]
+    plain = subprocess.run(cmd, capture_output=True, text=True)
+    watched = subprocess.run(cmd + ["--shortfall"], capture_output=True, text=True)
+    assert plain.returncode == 0 and watched.returncode == 0, watched.stderr
+    assert watched.stdout.startswith(plain.stdout)          # same table, then the section
+    section = watched.stdout[len(plain.stdout):].splitlines()
+    assert section[1].startswith("where each policy falls short of the bound")
+    totals, rows, who = {}, {}, None
+    for line in section[5:]:
+        parts = line.split()
+        if "its cost" in line:
+            who = (parts[0], parts[1])
+            cost, bound = (float(x.rstrip(",")) for x in (parts[4], parts[7]))
+            assert cost >= bound > 0 and abs(float(parts[-1]) - (cost - bound)) < 0.11
+            totals[who] = cost
+        else:
+            rows.setdefault(who, []).append(line.strip())
+    assert {p for p, _ in totals} == {"old", "new", "never"}
+    assert {k for _, k in totals} == {"code-edit", "summarize", "chat"}
+    for (policy, kind), lines in rows.items():
+        drafted = [line for line in lines if line.startswith("drafted")]
+        missed = [line for line in lines if line.startswith("not drafted")]
+        if policy == "never":
+            assert not drafted and missed
+        if policy == "old":
+            assert not missed                                # no reasons from the scalar policy
+        for line in missed:
+            n, right, saved = line.split()[-4:-1]
+            assert int(n) >= int(right) >= 0 and float(saved) >= 0
