@@ -94,6 +94,23 @@ class RegretGuard:
             self._off -= 1
 
 
+def best_draft(p: Sequence[float], r: Sequence[float]) -> tuple:
+    """(k, E(k) / r(k)) at the k in 1..len(p) that maximises the predicted gain, the first on a
+    tie, E(k) = 1 + p_0 + p_0 p_1 + ... (acceptance.expected_by_k, here in floats: 1-16
+    positions, every step); (0, 0.0) for no positions.
+
+    >>> best_draft([0.9, 0.9, 0.1], [1.0, 1.5, 1.8, 2.0])
+    (2, 1.5055555555555555)
+    """
+    best_k, best, run, e = 0, 0.0, 1.0, 1.0
+    for k, pk in enumerate(p, 1):
+        run *= pk
+        e += run
+        if e / r[k] > best:
+            best_k, best = k, e / r[k]
+    return best_k, best
+
+
 @dataclass(frozen=True)
 class AdaptiveConfig:
     k_max: int = 16
@@ -164,16 +181,8 @@ class AdaptivePolicy:
         base = self._logits(f, max(1, depth))   # also when off: the plain step learns from p_0
         if not depth or not base:
             return 0
-        p = self.acceptance.probs(base)
-        # argmax over k of E(k) / r(k), E(k) = 1 + p_0 + p_0 p_1 + ... (expected_by_k), in
-        # floats: 1-16 positions, every step.
-        best_k, best, run, e = 0, self.config.min_gain, 1.0, 1.0
-        for k, pk in enumerate(p, 1):
-            run *= pk
-            e += run
-            if e / r[k] > best:
-                best_k, best = k, e / r[k]
-        return best_k
+        k, gain = best_draft(self.acceptance.probs(base), r)
+        return k if gain > self.config.min_gain else 0
 
     def _depth(self, r: Sequence[float]) -> int:
         """How many drafts the loss budget lets this request risk: the k before the first whose

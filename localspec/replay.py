@@ -188,6 +188,16 @@ def replay_case(case: Recorded, make_policy: Callable, curve: Sequence[float], *
     return score
 
 
+def clear_run(margin: Sequence[float], t: int, run: int, tie_margin: float) -> int:
+    """How many of `run` matching drafts from position t a step can keep: the largest j <= run
+    with rows t..t+j all clear of near-ties (each decision and the one after it at or above
+    tie_margin), as the bound and the replay's reports cut a run."""
+    for j in range(1, run + 1):
+        if tie_margin > 0 and min(margin[t + j - 1], margin[t + j]) < tie_margin:
+            return j - 1
+    return run
+
+
 def _tie_cut(margin: Sequence[float], t: int, n_acc: int, k: int, tie_margin: float):
     """The engine's near-tie guard: the first row 0..n_acc of a k-draft batch (row i chose
     out[t + i]) whose margin is under tie_margin, or None. Plain steps are never cut."""
@@ -225,9 +235,7 @@ def bound_case(case: Recorded, curve: Sequence[float], *, tie_margin: float = 0.
     best = [0.0] * (n + 1)              # best[t]: least cost to emit out[t:]
     for t in range(n - 1, 0, -1):
         best[t] = curve[0] + best[t + 1]
-        for j in range(1, min(runs[t], n - t - 1) + 1):
-            if tie_margin > 0 and min(case.margin[t + j - 1], case.margin[t + j]) < tie_margin:
-                break                    # row j (or an earlier one) would be cut
+        for j in range(1, clear_run(case.margin, t, min(runs[t], n - t - 1), tie_margin) + 1):
             step = min(curve[j:avail[t] + 1])
             best[t] = min(best[t], step + best[t + j + 1])
     return (n - 1) / best[1] if n > 1 and best[1] else 1.0

@@ -252,8 +252,9 @@ def replay(a) -> None:
             s = rp.replay_case(c, make, curve, propose_cost=a.propose_cost,
                                tie_margin=a.tie_margin, timing_noise=a.timing_noise)
             scores[name][c.kind].append((c, s))
-            costs[name, c.kind][0] += s.cost
-            costs[name, c.kind][1] += (len(c.out) - 1) / b
+            if a.shortfall:
+                costs[name, c.kind][0] += s.cost
+                costs[name, c.kind][1] += (len(c.out) - 1) / b
     if a.per_case:
         print_cases(names, scores, bounds)
     print_table(names, scores, bounds)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from localspec import replay as rp
 from localspec.acceptance import expected_tokens
+from localspec.adaptive import best_draft
 
 K_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16))
 
@@ -97,25 +98,10 @@ class Shortfall:
                 self._why = (MISSED[3], 0)
             else:
                 r = self.policy.cost.ratio_list()   # refreshed by choose_draft: no refit here
-                best, best_k, run, e = 0.0, 0, 1.0, 1.0
-                for j, pj in enumerate(self.policy.predict(f), 1):
-                    run *= pj
-                    e += run
-                    if e / r[j] > best:
-                        best, best_k = e / r[j], j
+                best_k, best = best_draft(self.policy.predict(f), r)
                 why = 0 if best < 1.0 else 1 if best <= self.policy.config.min_gain else 2
                 self._why = (MISSED[why], best_k)
         return k
-
-    def _run(self, f) -> int:
-        """Draft positions that match the output from the current position, cut before a
-        near-tie row (as bound_case cuts them)."""
-        out, margin, t = self.case.out, self.case.margin, self._t
-        run = min(rp.run_length(f.tokens, out, t), len(self.curve) - 1, len(out) - t - 1)
-        for j in range(1, run + 1):
-            if self.tie_margin > 0 and min(margin[t + j - 1], margin[t + j]) < self.tie_margin:
-                return j - 1
-        return run
 
     def _add(self, where, right, plain_steps, tokens=0, r=0.0):
         row = self.sums[self.key + (where,)]
@@ -123,12 +109,13 @@ class Shortfall:
             row[i] += v
 
     def observe_step(self, f, k, n_accepted, emitted, verify_ms=None, propose_ms=0.0):
-        c = self.curve
+        c, out, t = self.curve, self.case.out, self._t
         if f is not None and len(f.tokens) and emitted:
-            j = self._run(f)
+            run = rp.run_length(f.tokens, out, t)
+            j = rp.clear_run(self.case.margin, t, min(run, len(c) - 1, len(out) - t - 1),
+                             self.tie_margin)
             if k == 0 and self._why is not None:
                 why, best_k = self._why
-                run = rp.run_length(f.tokens, self.case.out, self._t)
                 self._add(why, run > 0, max(0.0, (j + 1) - c[j]),
                           min(run, best_k) + 1 if best_k else 0, c[best_k] if best_k else 0.0)
             elif k and n_accepted < k:

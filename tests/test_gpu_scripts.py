@@ -1,8 +1,9 @@
 """The GPU run's measurement scripts (scripts/step_overhead.py, scripts/gpu_measure.py) still drive
 the engine correctly, on the tiny model and the CPU: a device session gets few tries, so a script
 broken by an engine change must fail here first. Also the CPU kernel probe beside them
-(scripts/tiled_crossover.py), whose child processes must keep loading a model. Only what the scripts decide is checked (identity,
-step counts, the prototype swapped in and out); their timings are not."""
+(scripts/tiled_crossover.py), whose child processes must keep loading a model. Only what the
+scripts decide is checked (identity, step counts, the prototype swapped in and out); their
+timings are not."""
 
 from __future__ import annotations
 
