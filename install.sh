@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up localspec in ./.venv (or $LOCALSPEC_VENV): builds llama-cpp-python for this host
-# (flags from localspec/buildflags.py: no AMX crash, CUDA/Metal when present) and the copy of its
+# (flags from localspec/llama/buildflags.py: no AMX crash, CUDA/Metal when present) and the copy of its
 # libraries that --exact loads, caches both per flag set so a rerun takes seconds, then installs
 # localspec with its HTTP server and test extras. pip's output goes to $VENV/install.log, never to
 # stdout; a failure prints its tail.
@@ -31,7 +31,7 @@ quiet() {
   fi
 }
 
-ARGS=$("$VPY" localspec/buildflags.py --explain)
+ARGS=$("$VPY" localspec/llama/buildflags.py --explain)
 KEY=$("$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:12])' \
       "$LLAMA_CPP_PYTHON $(uname -s) $(uname -m) $ARGS")
 HOME_DIR=${LOCALSPEC_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}
@@ -65,7 +65,7 @@ fi
 # Runs in a subshell: a failure (quiet exits) leaves default mode installed, with a warning.
 build_exact_cpu_lib() {
   src=$(mktemp -d); trap 'rm -rf "$src"' EXIT   # a subshell's globals: the trap still sees src
-  local args; args=$("$VPY" localspec/buildflags.py --exact)
+  local args; args=$("$VPY" localspec/llama/buildflags.py --exact)
   echo "Building ggml-cpu without llamafile for --exact (~2 min on 2 cores) with: $args" >&2
   command -v cmake >/dev/null || quiet "installing cmake" "$VPY" -m pip install cmake
   local tree=${LOCALSPEC_LLAMA_SRC:-}            # the wheel's own source tree when one was given
@@ -88,8 +88,8 @@ build_exact_cpu_lib() {
     rm -rf "$WHEELS-exact" && mv "$WHEELS-exact.tmp" "$WHEELS-exact"
 }
 if [ "${LOCALSPEC_EXACT_LIBS:-1}" = 0 ]; then
-  "$VPY" localspec/libs.py remove
-elif [ "$("$VPY" localspec/libs.py key)" != "$KEY" ]; then
+  "$VPY" localspec/llama/libs.py remove
+elif [ "$("$VPY" localspec/llama/libs.py key)" != "$KEY" ]; then
   exec 9>"$WHEELS.lock"
   if command -v flock >/dev/null && ! flock -n 9; then
     echo "Waiting for another install.sh to finish building ggml-cpu for --exact..." >&2
@@ -97,7 +97,7 @@ elif [ "$("$VPY" localspec/libs.py key)" != "$KEY" ]; then
   fi
   if ls "$WHEELS-exact"/libggml-cpu* >/dev/null 2>&1 ||
      (PATH="$(cd "$VENV" && pwd)/bin:$PATH" build_exact_cpu_lib); then
-    quiet "laying out llama_cpp/lib-exact" "$VPY" localspec/libs.py install "$WHEELS-exact" "$KEY"
+    quiet "laying out llama_cpp/lib-exact" "$VPY" localspec/llama/libs.py install "$WHEELS-exact" "$KEY"
   else
     echo "install.sh: warning: --exact is unavailable until ./install.sh builds its libraries;" \
          "default mode is installed." >&2
@@ -107,7 +107,7 @@ fi
 echo "Installing localspec and its dependencies (log: $LOG)..." >&2
 quiet "installing localspec" "$VPY" -m pip install -e ".[server,test]"
 echo "localspec installed in $VENV (llama.cpp: $("$VPY" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode().strip())'))" >&2
-if [ -n "$("$VPY" localspec/libs.py key)" ]; then
+if [ -n "$("$VPY" localspec/llama/libs.py key)" ]; then
   echo "--exact loads: $(LOCALSPEC_EXACT=1 "$VPY" -c 'from localspec import llama
 llama.enable_exact_kernels(); print(llama.system_info())' 2>&1 | tail -n 1)" >&2
 fi

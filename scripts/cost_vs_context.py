@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="64,512,1024,2048,3072")
     ap.add_argument("--ks", default="0,1,2,3,4,8,16")
     a = ap.parse_args()
-    from localspec.catalog import resolve_model
+    from localspec.catalog.models import resolve_model
     from localspec.llama import Context, ContextParams, Model
 
     lengths = sorted(int(x) for x in a.lengths.split(","))

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from step_overhead import ScriptedProposer      # this folder is sys.path[0]
 
-from localspec.calibrate import measure
-from localspec.engine import Engine, EngineConfig
+from localspec.policy.calibrate import measure
+from localspec.spec.engine import Engine, EngineConfig
 from localspec.llama import Context, ContextParams, Model, ModelParams, system_info
-from localspec.policy import DraftPolicy, PolicyConfig
-from localspec.sampling import SamplingParams, top2_gap
+from localspec.policy.draft_estimate import DraftPolicy, PolicyConfig
+from localspec.spec.sampling import SamplingParams, top2_gap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_speculative import PROMPTS  # noqa: E402  (the suite's 20 identity prompts)

@@ -54,8 +54,8 @@ setup() {
     LOCALSPEC_LLAMA_SRC=$src SKBUILD_BUILD_DIR=$ROOT/.gpu-build ./install.sh > "$OUT/install.log" 2>&1
   local rc=$?
   tail -3 "$OUT/install.log" | tee -a "$OUT/run.log" >&2
-  "$VPY" localspec/buildflags.py --explain >> "$OUT/run.log" 2>&1
-  "$VPY" -c 'import localspec.ngram, localspec.llama as l; print("C extension ok; GPU offload:",
+  "$VPY" localspec/llama/buildflags.py --explain >> "$OUT/run.log" 2>&1
+  "$VPY" -c 'import localspec.spec.ngram, localspec.llama as l; print("C extension ok; GPU offload:",
              l.supports_gpu_offload(), "|", l.system_info())' 2>&1 | tee -a "$OUT/run.log"
   return $rc
 }

@@ -36,12 +36,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from localspec import replay as rp
-from localspec.acceptance import FEATURES, AcceptanceConfig
-from localspec.adaptive import AdaptiveConfig, AdaptivePolicy, GuardConfig
-from localspec.costmodel import CostConfig, CostModel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
+
+from tools import replay as rp
+from localspec.policy.acceptance import FEATURES, AcceptanceConfig
+from localspec.policy.adaptive import AdaptiveConfig, AdaptivePolicy, GuardConfig
+from localspec.policy.costmodel import CostConfig, CostModel
 from localspec.errors import LocalspecError
-from localspec.policy import DraftPolicy, PolicyConfig
+from localspec.policy.draft_estimate import DraftPolicy, PolicyConfig
 from replay_watch import Calibrated, Shortfall, print_calibration, print_shortfall
 
 CURVES = {  # DESIGN.md "The cost model"; Qwen2.5-Coder-1.5B Q4_K_M, 2 threads
@@ -379,7 +381,7 @@ def main() -> None:
 
 def run(a) -> None:
     if a.cmd == "record":
-        from localspec.replay_record import record
+        from tools.replay_record import record
         record(a.path, a.threads, a.exact, workloads=a.workloads, model=a.model)
     elif a.cmd == "replay":
         replay(a)

@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from localspec.cache_format import context_key, read_file, write_file
-from localspec.catalog import resolve_model
+from localspec.cache.format import context_key, read_file, write_file
+from localspec.catalog.models import resolve_model
 from localspec.llama import Context, ContextParams, Model
 
 clock = time.perf_counter

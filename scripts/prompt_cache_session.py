@@ -93,7 +93,7 @@ def editor_session(a, home: Path) -> dict:
                   f"({st['reuse_source'] or '-'})", file=sys.stderr)
     rss_end = server.rss_mb()
     assert server.close() == 0 and info
-    from localspec.cache_format import SUFFIX, read_header
+    from localspec.cache.format import SUFFIX, read_header
 
     files = list((home / "prompt-cache").rglob("*" + SUFFIX))
     cold = [x["ttft_s"] for x in rows if x["round"] == 0]
@@ -102,9 +102,9 @@ def editor_session(a, home: Path) -> dict:
     for f in files:
         with open(f, "rb") as fh:
             per_1k.append(1000 * f.stat().st_size / max(1, len(read_header(fh)[1])))
-    from localspec.catalog import resolve_model
+    from localspec.catalog.models import resolve_model
     from localspec.llama import Model
-    from localspec.prompt_cache import default_budget_mb
+    from localspec.cache.prompt_cache import default_budget_mb
 
     with Model(resolve_model(a.model)) as model:
         budget = default_budget_mb(model, 4096)
@@ -117,8 +117,8 @@ def editor_session(a, home: Path) -> dict:
 
 
 def resume_vs_reread(a, home: Path) -> dict:
-    from localspec.chat import ChatConfig, ChatSession
-    from localspec.engine import Engine, EngineConfig
+    from localspec.apps.chat import ChatConfig, ChatSession
+    from localspec.spec.engine import Engine, EngineConfig
 
     os.environ["LOCALSPEC_HOME"] = str(home)
     config = EngineConfig(proposer="none", n_threads=a.threads, cache_disk=True)

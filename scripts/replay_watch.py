@@ -8,9 +8,13 @@ rejection; runs it drafted only part of.
 
 from __future__ import annotations
 
-from localspec import replay as rp
-from localspec.acceptance import expected_tokens
-from localspec.adaptive import best_draft
+from pathlib import Path
+import sys
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
+
+from tools import replay as rp
+from localspec.policy.acceptance import expected_tokens
+from localspec.policy.adaptive import best_draft
 
 K_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16))
 

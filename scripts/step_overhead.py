@@ -42,17 +42,19 @@ from pathlib import Path
 
 import numpy as np
 
-import localspec.engine
-from localspec import llama
-from localspec.engine import Engine, EngineConfig
-from localspec.fastpath import greedy_step, greedy_verify
-from localspec.policy import PolicyConfig
-from localspec.proposers import EMPTY, Proposal, Proposer
-from localspec.sampling import PositionStream, SamplingParams, target_dist
-from localspec.step import near_tie
-from localspec.verify import verify
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
 
-STEP = localspec.engine.step        # step.step, as the engine imported it
+import localspec.spec.engine
+from localspec.llama import backend as llama   # its `C`, patched below to time calls
+from localspec.spec.engine import Engine, EngineConfig
+from tools.fastpath import greedy_step, greedy_verify
+from localspec.policy.draft_estimate import PolicyConfig
+from localspec.spec.proposers import EMPTY, Proposal, Proposer
+from localspec.spec.sampling import PositionStream, SamplingParams, target_dist
+from localspec.spec.step import near_tie
+from localspec.spec.verify import verify
+
+STEP = localspec.spec.engine.step        # step.step, as the engine imported it
 
 PROMPTS = [
     "Rewrite this function with type hints:\ndef add(a, b):\n    return a + b\n",
@@ -171,14 +173,14 @@ def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
         engine.proposer = ScriptedProposer(reference, mode, engine.model.n_vocab)
     # Engine._step calls the module-level name `step`: the prototype goes in there, for this
     # generation only, so propose, bookkeeping and the loop stay the engine's own.
-    localspec.engine.step = greedy_step if fast else STEP
+    localspec.spec.engine.step = greedy_step if fast else STEP
     prof = cProfile.Profile() if profile else None
     try:
         samples, gen = timed_generation(engine, prompt, sampling, prof,
                                         max_tokens=len(reference), speculate=k > 0,
                                         policy=PolicyConfig(k_max=max(k, 1), fixed_k=k))
     finally:
-        localspec.engine.step = STEP
+        localspec.spec.engine.step = STEP
     return samples, gen.tokens == reference, prof
 
 

@@ -26,8 +26,8 @@ import sys
 
 def child(model: str, threads: int, sizes: list, reps: int) -> dict:
     """In a fresh process whose environment already holds the switch: fastest ms per size."""
-    from localspec.calibrate import time_batches
-    from localspec.catalog import resolve_model
+    from localspec.policy.calibrate import time_batches
+    from localspec.catalog.models import resolve_model
     from localspec.llama import Context, ContextParams, Model
 
     with Model(resolve_model(model, progress=False)) as m, \

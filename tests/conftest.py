@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
 
 # ggml reads this once per process, at the first decode: turn the tiled K-quant matmul off for the
 # whole session so tests of the --exact mode can run in-process (it is the mode's requirement).
@@ -53,7 +57,7 @@ def tiny_model(tiny_path):
 @pytest.fixture(scope="session")
 def smollm_path():
     """SmolLM2-135M-Instruct, pulled once through the catalog and cached in the user cache."""
-    from localspec.catalog import resolve_model
+    from localspec.catalog.models import resolve_model
     from localspec.errors import LocalspecError
 
     try:

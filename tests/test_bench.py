@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from localspec.adaptive import AdaptiveConfig
+from localspec.policy.adaptive import AdaptiveConfig
 from localspec.bench import (DEFAULT_WORKLOADS, Bench, BenchSettings, Case, Row, first_difference,
                              geomean, load_workloads, parse_modes, read_source, summarize)
 from localspec.bench import format_rows, format_summary
@@ -188,8 +188,8 @@ def test_a_repeat_round_reproduces_the_cold_round(tiny_path, small_workloads):
     """Warm rounds re-evaluate the prompt's last prefill chunk with its cold batch shape: same
     first logits, same output, without prefilling the whole prompt again."""
     from localspec.bench.engine_run import run_engine
-    from localspec.engine import PREFILL_CHUNK
-    from localspec.sampling import SamplingParams
+    from localspec.spec.engine import PREFILL_CHUNK
+    from localspec.spec.sampling import SamplingParams
 
     case = load_workloads(small_workloads, ids=["sum-pass"])[0]
     with Bench(parse_modes("plain"), BenchSettings(str(tiny_path), n_ctx=2048)) as b:
@@ -211,7 +211,7 @@ def test_lockstep_takes_turns_by_tokens_and_times_each_mode_alone(tiny_path, sma
     import time
 
     from localspec.bench import engine_run
-    from localspec.sampling import SamplingParams
+    from localspec.spec.sampling import SamplingParams
 
     turns, runs = [], []               # per turn: (the run going, {run: (tokens, done)})
     real_turn = engine_run.EngineRun.turn
@@ -250,7 +250,7 @@ def test_ctrl_c_in_lockstep_ends_both_requests_cleanly(tiny_path, small_workload
     """An interrupt inside one mode's turn ends the other request too, at once: both contexts
     keep only rows that match what they emitted, and the next run writes the same text."""
     from localspec.bench import engine_run
-    from localspec.sampling import SamplingParams
+    from localspec.spec.sampling import SamplingParams
 
     case = load_workloads(small_workloads, ids=["sum-pass"])[0]
     with Bench(parse_modes("plain,ngram-k2"), BenchSettings(str(tiny_path), n_ctx=2048)) as b:

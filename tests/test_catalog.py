@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from localspec import catalog, pull
-from localspec.catalog import CatalogEntry, ChecksumError, Part
+from localspec.catalog import models as catalog
+from localspec.catalog import pull
+from localspec.catalog.models import CatalogEntry, ChecksumError, Part
 from localspec.cli.models import models
 from localspec.errors import LocalspecError
 

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from localspec.chat import ChatConfig, ChatLoop, ChatSession, sigint_cancels
-from localspec.engine import Engine, EngineConfig
+from localspec.apps.chat import ChatConfig, ChatLoop, ChatSession, sigint_cancels
+from localspec.spec.engine import Engine, EngineConfig
 from localspec.errors import LocalspecError
 
 # A system prompt and message whose greedy reply on the tiny model runs past 2000 tokens without an

@@ -26,7 +26,7 @@ def test_doctor_names_the_first_difference_of_an_incompatible_pair(smollm_path, 
 
 
 def test_gpu_line_says_rpc_only_when_no_gpu_backend_is_built():
-    from localspec.doctor import gpu_offload_line
+    from localspec.apps.doctor import gpu_offload_line
     from localspec.llama import supports_gpu_offload
     line = gpu_offload_line("CPU : AVX2 = 1 | LLAMAFILE = 1 | OPENMP = 1 |")
     assert line == ("no (CPU build)" if not supports_gpu_offload() else

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localspec.engine import Engine, EngineConfig
+from localspec.spec.engine import Engine, EngineConfig
 from localspec.errors import LocalspecError
 from localspec.llama import system_info
-from localspec.policy import PolicyConfig
-from localspec.proposers import NgramProposer
+from localspec.policy.draft_estimate import PolicyConfig
+from localspec.spec.proposers import NgramProposer
 
 PROMPTS = ["The capital of France is", "abcabcabcabc", "def f(x):\n    return x\ndef f(x):\n",
            "one two three one two three", "zebra", "The capital of Spain"]
@@ -148,7 +148,7 @@ class CancelAfter(threading.Event):
 def test_cancel_during_prefill_stops_between_chunks(tiny_model, looks):
     """Prefill runs in chunks of PREFILL_CHUNK tokens and looks at the cancel flag before each:
     a long prompt stops within one chunk, and the next request is as good as new."""
-    from localspec.engine import PREFILL_CHUNK
+    from localspec.spec.engine import PREFILL_CHUNK
 
     prompt = "word " * 200                       # ~1400 byte tokens: several chunks
     with Engine(tiny_model, EngineConfig(proposer="none", n_ctx=2048, n_threads=1,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from localspec import libs
+from localspec.llama import libs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,14 +12,14 @@ import pytest
 from test_speculative import REPEATING
 from test_step import ScriptedContext
 
-import localspec.engine
-from localspec.engine import Engine, EngineConfig
-from localspec.fastpath import greedy_step, greedy_verify, penalize_row
-from localspec.policy import PolicyConfig
-from localspec.proposers import Proposal
-from localspec.sampling import PositionStream, SamplingParams, apply_penalty, target_dist, top2_gap
-from localspec.step import step
-from localspec.verify import verify
+import localspec.spec.engine
+from localspec.spec.engine import Engine, EngineConfig
+from tools.fastpath import greedy_step, greedy_verify, penalize_row
+from localspec.policy.draft_estimate import PolicyConfig
+from localspec.spec.proposers import Proposal
+from localspec.spec.sampling import PositionStream, SamplingParams, apply_penalty, target_dist, top2_gap
+from localspec.spec.step import step
+from localspec.spec.verify import verify
 
 
 def reference(rows, drafts, sampling, recent, margin):
@@ -143,7 +143,7 @@ def test_engine_with_greedy_step_matches_engine_with_step(tiny_model, monkeypatc
     config = EngineConfig(n_ctx=512, n_threads=1, cache_mb=0, policy=PolicyConfig(fixed_k=4))
     runs = {}
     for name, fn in (("step", step), ("greedy_step", greedy_step)):
-        monkeypatch.setattr(localspec.engine, "step", fn)
+        monkeypatch.setattr(localspec.spec.engine, "step", fn)
         with Engine(tiny_model, config) as eng:
             runs[name] = []
             for prompt in REPEATING:

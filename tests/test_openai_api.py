@@ -10,10 +10,10 @@ import pytest
 
 from localspec.cli.http import is_loopback, model_names, parse_bind
 from localspec.errors import LocalspecError
-from localspec.openai_api import (ApiError, chunk, closing_chunks, full_response, parse_chat,
+from localspec.apps.openai_api import (ApiError, chunk, closing_chunks, full_response, parse_chat,
                                   parse_completion)
-from localspec.rpc import parse_servers, probe
-from localspec.stats import GenerationStats
+from localspec.llama.rpc import parse_servers, probe
+from localspec.spec.stats import GenerationStats
 
 NAMES = ["tiny", "/models/tiny.gguf", "tiny.gguf"]
 USER = [{"role": "user", "content": "hi"}]

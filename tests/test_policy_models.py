@@ -11,11 +11,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from localspec import acceptance, adaptive, calibrate, costmodel
-from localspec.acceptance import AcceptanceModel, DraftFeatures, RequestState, expected_tokens
-from localspec.adaptive import AdaptiveConfig, AdaptivePolicy, GuardConfig, RegretGuard
-from localspec.costmodel import CostConfig, CostModel, Stability, round_stability
-from localspec.policy import CostCurve
+from localspec.policy import acceptance
+from localspec.policy import adaptive
+from localspec.policy import calibrate
+from localspec.policy import costmodel
+from localspec.policy.acceptance import AcceptanceModel, DraftFeatures, RequestState, expected_tokens
+from localspec.policy.adaptive import AdaptiveConfig, AdaptivePolicy, GuardConfig, RegretGuard
+from localspec.policy.costmodel import CostConfig, CostModel, Stability, round_stability
+from localspec.policy.draft_estimate import CostCurve
 
 EPYC = [1.0, 1.48, 1.96, 2.22, 2.68, 3.485, 4.29, 5.095, 5.9, 6.2125, 6.525, 6.8375, 7.15,
         7.4625, 7.775, 8.0875, 8.4]

@@ -1,4 +1,4 @@
-"""localspec.replay: offline scoring of draft policies against recorded plain outputs, and the
+"""tools.replay: offline scoring of draft policies against recorded plain outputs, and the
 future-knowing bound they are measured against."""
 
 import doctest
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from localspec import replay as rp
-from localspec.acceptance import PRIOR_WEIGHTS
-from localspec.adaptive import AdaptiveConfig, AdaptivePolicy
-from localspec.costmodel import CostModel
+from tools import replay as rp
+from localspec.policy.acceptance import PRIOR_WEIGHTS
+from localspec.policy.adaptive import AdaptiveConfig, AdaptivePolicy
+from localspec.policy.costmodel import CostModel
 from localspec.errors import LocalspecError
-from localspec.policy import DraftPolicy, PolicyConfig
+from localspec.policy.draft_estimate import DraftPolicy, PolicyConfig
 
 RECORDING = Path(__file__).resolve().parent / "data" / "policy_plain.json"
 XEON = rp.extend_curve([1, 1.55, 1.75, 1.75, 2.2], 16, {8: 3.0, 16: 3.9})
@@ -126,7 +126,7 @@ def test_replay_script_reads_this_machines_curve_and_refuses_a_bad_one(tmp_path)
 
 
 def test_recording_a_workloads_file_on_a_real_model_replays(tmp_path, tiny_path):
-    from localspec.replay_record import record
+    from tools.replay_record import record
     workloads = tmp_path / "w.jsonl"
     workloads.write_text(
         '{"id": "s", "kind": "summarize", "source": {"pydoc_topic": "global"}, '

@@ -12,12 +12,12 @@ import textwrap
 import numpy as np
 import pytest
 
-from localspec.cache_format import (SUFFIX, Rejected, context_key, model_identity, read_file,
+from localspec.cache.format import (SUFFIX, Rejected, context_key, model_identity, read_file,
                                     write_file)
-from localspec.catalog import get_entry
+from localspec.catalog.models import get_entry
 from localspec.errors import LocalspecError
 from localspec.llama import Context, ContextParams, Model, system_info
-from localspec.prompt_cache import PromptCache, default_budget_mb
+from localspec.cache.prompt_cache import PromptCache, default_budget_mb
 from tinymodel import make_tiny_gguf
 
 PARAMS = ContextParams(n_ctx=1024, n_threads=1)
@@ -442,7 +442,7 @@ def test_named_session_round_trip_and_mismatch(tiny_model, draft_model, tmp_path
 WORKER = textwrap.dedent("""
     import sys
     from localspec.llama import Context, ContextParams, Model
-    from localspec.prompt_cache import PromptCache
+    from localspec.cache.prompt_cache import PromptCache
     model_path, folder, me = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with Model(model_path) as model, Context(model, ContextParams(n_ctx=1024, n_threads=1)) as ctx:
         # RAM for one state, disk for about twelve of the ~240 files written: most lookups read

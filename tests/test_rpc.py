@@ -14,7 +14,7 @@ import time
 import pytest
 
 from localspec.errors import LocalspecError
-from localspec.rpc import probe
+from localspec.llama.rpc import probe
 
 PROMPT = "hello world"
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from localspec.engine import Engine, EngineConfig
+from localspec.spec.engine import Engine, EngineConfig
 from localspec.llama import Context, ContextParams
-from localspec.policy import PolicyConfig
-from localspec.proposers import Proposal, Proposer
-from localspec.sampling import Dist, SamplingParams, target_dist
-from localspec.sampling import top2_gap as row_gap
+from localspec.policy.draft_estimate import PolicyConfig
+from localspec.spec.proposers import Proposal, Proposer
+from localspec.spec.sampling import Dist, SamplingParams, target_dist
+from localspec.spec.sampling import top2_gap as row_gap
 
 REPEATING = [
     "abcabcabcabcabc", "the cat the cat the cat the cat", "1,2,3,1,2,3,1,2,3,1,2,3",

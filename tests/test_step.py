@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from localspec.engine import Engine, EngineConfig
-from localspec.policy import PolicyConfig
-from localspec.proposers import Proposal, Proposer
-from localspec.sampling import PositionStream, SamplingParams
-from localspec.step import step
+from localspec.spec.engine import Engine, EngineConfig
+from localspec.policy.draft_estimate import PolicyConfig
+from localspec.spec.proposers import Proposal, Proposer
+from localspec.spec.sampling import PositionStream, SamplingParams
+from localspec.spec.step import step
 
 N_VOCAB = 32
 EOS = 31

@@ -15,10 +15,10 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from localspec import summarize as sm
+from localspec.apps import summarize as sm
 from localspec.cli import cli
 from localspec.errors import LocalspecError
-from localspec.summarize import (DocumentError, Source, Summarizer, Summary, discover,
+from localspec.apps.summarize import (DocumentError, Source, Summarizer, Summary, discover,
                                  output_path, read_source, run_batch, split_chunks, write_atomic)
 
 FAST = ["--threads", "1", "-n", "8", "--ctx", "512"]
@@ -223,8 +223,8 @@ def test_cli_bad_inputs_are_reported_and_skipped_with_exit_1(tiny_path, tmp_path
 
 
 def test_long_document_takes_the_map_reduce_path(tiny_path, tmp_path):
-    from localspec.engine import Engine, EngineConfig
-    from localspec.sampling import SamplingParams
+    from localspec.spec.engine import Engine, EngineConfig
+    from localspec.spec.sampling import SamplingParams
 
     text = words_text(5, 12, 4)
     with Engine(str(tiny_path), EngineConfig(n_ctx=512, n_threads=1)) as engine:

@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from localspec.buildflags import choose, cuda_arch_of, exact_cmake_args
-from localspec.policy import DraftPolicy, PolicyConfig, expected_tokens
-from localspec.sampling import (Dist, PositionStream, SamplingParams, apply_penalty, draw,
+from localspec.llama.buildflags import choose, cuda_arch_of, exact_cmake_args
+from localspec.policy.draft_estimate import DraftPolicy, PolicyConfig, expected_tokens
+from localspec.spec.sampling import (Dist, PositionStream, SamplingParams, apply_penalty, draw,
                                 target_dist)
-from localspec.stats import GenerationStats
-from localspec.textstream import TextStream
+from localspec.spec.stats import GenerationStats
+from localspec.spec.textstream import TextStream
 
 
 def test_chain_top_k_example():
@@ -94,7 +94,7 @@ def test_policy_drafts_when_acceptance_is_high_and_switches_off_when_low():
 def test_ngram_proposer_keys_acceptance_by_match_length():
     """Short matches (prose) and long ones (copied code) are learned apart, so a run of failed
     one-token guesses does not switch off drafting for four-token matches."""
-    from localspec.proposers import NgramProposer
+    from localspec.spec.proposers import NgramProposer
 
     pol = DraftPolicy([1.0, 1.5, 1.8, 1.6, 2.4], PolicyConfig(k_max=4))
     for _ in range(60):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from ..engine import PREFILL_CHUNK, Engine
-from ..sampling import SamplingParams
+from ..spec.engine import PREFILL_CHUNK, Engine
+from ..spec.sampling import SamplingParams
 from .timing import Outcome, Ticker
 from .workloads import Case
 

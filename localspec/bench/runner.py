@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .. import __version__
-from ..calibrate import load_or_measure
-from ..config import EngineConfig
-from ..engine import Engine
+from ..policy.calibrate import load_or_measure
+from ..spec.config import EngineConfig
+from ..spec.engine import Engine
 from ..errors import LocalspecError
-from ..factory import load_model
+from ..spec.factory import load_model
 from ..llama import default_threads, library_account, system_info
-from ..policy import PolicyConfig
-from ..sampling import SamplingParams, top2_gap
+from ..policy.draft_estimate import PolicyConfig
+from ..spec.sampling import SamplingParams, top2_gap
 from .engine_run import run_engine, run_lockstep
 from .peer import PEER_K, Peer
 from .report import Row, first_difference, make_row, merge_rounds, summarize

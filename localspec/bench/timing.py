@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..stats import GenerationStats
+from ..spec.stats import GenerationStats
 
 
 @dataclass

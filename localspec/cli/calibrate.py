@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from ..calibrate import load_or_measure
-from ..costmodel import stability_line
+from ..policy.calibrate import load_or_measure
+from ..policy.costmodel import stability_line
 from .options import COMMAND, model_options, open_engine
 
 

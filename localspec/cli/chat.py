@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import click
 
-from ..chat import ChatConfig, ChatLoop, ChatSession
+from ..apps.chat import ChatConfig, ChatLoop, ChatSession
 from ..errors import LocalspecError
 from ..text import check_utf8, decode_utf8
 from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ..doctor import report
+from ..apps.doctor import report
 from .options import COMMAND
 
 

@@ -94,7 +94,7 @@ def run_http(kw: dict) -> None:
     try:
         import uvicorn
 
-        from ..http_server import Service, Worker, build_app
+        from ..apps.http_server import Service, Worker, build_app
     except ImportError as e:
         raise LocalspecError(f"the HTTP server needs its extra packages ({e.name} is missing): "
                              "pip install 'localspec[server]' (./install.sh installs them).")

@@ -11,7 +11,7 @@ from typing import Optional
 
 import click
 
-from .. import catalog
+from ..catalog import models as catalog
 from ..errors import LocalspecError
 from .options import COMMAND
 

@@ -10,15 +10,15 @@ import sys
 
 import click
 
-from ..config import EngineConfig
-from ..engine import Engine
+from ..spec.config import EngineConfig
+from ..spec.engine import Engine
 from ..llama import default_threads
 from ..errors import LocalspecError
 from ..files import internal_error_line
 from ..text import check_utf8, decode_utf8
-from ..policy import PolicyConfig
-from ..rpc import parse_servers
-from ..sampling import SamplingParams
+from ..policy.draft_estimate import PolicyConfig
+from ..llama.rpc import parse_servers
+from ..spec.sampling import SamplingParams
 
 COMMAND = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 INTERNAL_ERROR_EXIT = 70         # sysexits.h EX_SOFTWARE: not the user's mistake

@@ -14,7 +14,7 @@ import click
 from ..errors import LocalspecError
 from ..files import cache_dir
 from ..llama import default_threads, set_log_level
-from ..rpc import server
+from ..llama.rpc import server
 from .options import COMMAND
 
 

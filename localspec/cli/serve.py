@@ -8,8 +8,8 @@ import sys
 import click
 
 from ..llama import set_log_level
-from ..protocol import Server
-from ..stdio import Writer, read_lines, take_stdout
+from ..apps.protocol import Server
+from ..apps.stdio import Writer, read_lines, take_stdout
 from .http import http_options, run_http
 from .options import COMMAND, model_options, open_engine
 

@@ -11,7 +11,7 @@ import click
 from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options
 from ..errors import LocalspecError
 from ..text import check_utf8
-from ..summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summarizer, Summary,
+from ..apps.summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summarizer, Summary,
                         check_collisions, discover, parse_globs, run_batch)
 
 

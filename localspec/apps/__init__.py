@@ -1,0 +1,1 @@
+"""The front ends' logic: chat, summarize, editor protocol, HTTP API, doctor."""

@@ -1,0 +1,77 @@
+"""`localspec doctor`: what this machine's llama.cpp can do, and whether a draft fits a target."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import Optional
+
+from ..llama.buildflags import cpu_flags
+from ..catalog.models import resolve_model
+from ..spec.compat import check_pair
+from ..llama.libs import exact_lib_status
+from ..llama import (Model, build_has_amx, default_threads, library_account, supports_gpu_offload,
+                    system_info)
+
+
+def device_lines() -> list:
+    try:
+        flags = cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        flags = set()
+    amx_cpu = any(f.startswith("amx") for f in flags)
+    if build_has_amx():
+        amx = "this build has AMX kernels: models load without repacked weights (slower, no crash)"
+    elif amx_cpu:
+        amx = "CPU has AMX; this build leaves the AMX kernels out (workaround in effect, repacking on)"
+    else:
+        amx = "no AMX on this CPU: nothing to work around"
+    features = system_info()                 # loads llama.cpp: the account below exists after it
+    folder, problem = exact_lib_status()
+    return [
+        f"platform: {platform.system()} {platform.machine()}, {default_threads()} usable cores",
+        f"llama.cpp libraries: {library_account()}",
+        f"--exact libraries: {problem or folder}",
+        f"llama.cpp features: {features}",
+        f"GPU offload available: {gpu_offload_line(features)}",
+        f"AMX: {amx}",
+    ]
+
+
+GPU_BACKENDS = ("CUDA", "METAL", "VULKAN", "HIP", "ROCM", "SYCL", "CANN", "OPENCL", "MUSA")
+
+
+def gpu_offload_line(features: str) -> str:
+    """llama.cpp says it "supports GPU offload" when only the RPC backend is built (layers can go
+    to other hosts); say which it is."""
+    if not supports_gpu_offload():
+        return "no (CPU build)"
+    if any(name in features.upper() for name in GPU_BACKENDS):
+        return "yes"
+    return "no GPU backend in this build; layers can go to RPC servers (--rpc)"
+
+
+def model_lines(label: str, model: Model) -> list:
+    return [f"{label}: {model.path}", f"  {model.describe()}, vocab {model.n_vocab} "
+            f"(type {model.vocab_type()}), bos {model.bos}, eos {model.eos}, "
+            f"chat template: {'yes' if model.chat_template() else 'no'}"]
+
+
+def report(target: str, draft: Optional[str]) -> tuple:
+    """Lines of the report, and whether the pair (if any) is compatible."""
+    lines = device_lines()
+    with Model(resolve_model(target)) as t:
+        lines += model_lines("target", t)
+        if draft is None:
+            return lines, True
+        with Model(resolve_model(draft)) as d:
+            lines += model_lines("draft", d)
+            r = check_pair(t, d)
+    lines.append(f"checked {r.facts['shared_ids_checked']} shared token ids")
+    if r.ok:
+        lines.append("compatible: the draft can propose tokens for this target")
+    else:
+        lines += ["INCOMPATIBLE:"] + [f"  - {p}" for p in r.problems]
+        lines.append("  use a draft from the same model family (same tokenizer), e.g. "
+                     "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")
+    return lines, r.ok

@@ -1,0 +1,362 @@
+"""The editor protocol's logic: JSON-RPC 2.0 messages, generate params, the request queue and the
+one worker that runs the engine. The transport (lines on stdio) is stdio.py, the command cli/serve.py.
+
+A reader thread parses incoming lines and answers `initialize`, `cancel` and `shutdown` at once;
+`generate` requests queue for one worker (the caller of Server.serve), since the engine runs one
+request at a time. docs/protocol.md is the specification; examples/editor_client.py a client.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import sys
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Optional, Union
+
+from .. import __version__
+from ..spec.engine import Engine, Prompt
+from ..errors import LocalspecError
+from ..files import internal_error_line
+from ..spec.sampling import SamplingParams
+from ..spec.stats import GenerationStats
+
+PROTOCOL_VERSION = 1
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
+INVALID_PARAMS, INTERNAL_ERROR, GENERATION_ERROR = -32602, -32603, -32000
+PROGRESS = "generate/progress"     # notification method carrying streamed text
+DEFAULT_MAX_TOKENS = 256
+METHODS = ("initialize", "generate", "cancel", "shutdown")
+GENERATE_PARAMS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
+                   "repeat_penalty", "seed", "stop", "document", "speculate", "stream", "k")
+PROPOSERS = {"none": [], "hybrid": ["ngram", "draft"]}   # --proposer -> what drafts tokens
+NOTE = object()                    # the "id" of a notification: it never gets a response
+DEFERRED = object()                # a handler's result: the worker responds later
+
+RequestId = Union[int, str]
+
+
+class RpcError(Exception):
+    """A JSON-RPC error response; `id` is the request id to answer (None when unknown)."""
+
+    def __init__(self, code: int, message: str, id: Optional[RequestId] = None):
+        super().__init__(message)
+        self.code, self.message, self.id = code, message, id
+
+
+class DuplicateId(RpcError):
+    """A generate whose id an unfinished generate holds: the error response carries id null, so
+    a client routing responses by id cannot mistake it for the running request's answer."""
+
+
+def _bug(e: Exception) -> str:
+    """One stderr line for a bug (the traceback goes to a file) and the message for the client."""
+    line = internal_error_line(e)
+    print(f"localspec: {line}", file=sys.stderr)
+    return line
+
+
+@dataclass
+class Job:
+    """One generate request, queued or running. `cancel` is the engine's per-step stop flag."""
+
+    id: RequestId
+    prompt: Prompt
+    sampling: SamplingParams
+    max_tokens: int
+    stop: list
+    document: Optional[str]
+    speculate: bool
+    stream: bool
+    fixed_k: Optional[int] = None        # draft exactly k tokens per step (None: adaptive)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Queue marker after `shutdown` (id = its request id) or EOF on stdin (id = NOTE)."""
+
+    id: object
+
+
+# -- params --------------------------------------------------------------------------------------
+def _number(params: dict, name: str, default, lo, hi=None, integer=False, lo_open=False):
+    """params[name] checked as a number in range, or `default` when absent.
+
+    Example: _number({"top_p": 2}, "top_p", 0.95, 0.0, 1.0) raises "'top_p' must be between 0.0
+    and 1.0, got 2".
+    """
+    if name not in params:
+        return default
+    v = params[name]
+    kind = "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) \
+            or not math.isfinite(v):
+        raise RpcError(INVALID_PARAMS, f"'{name}' must be {kind}, got {json.dumps(v)}")
+    if v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+        need = f"between {lo} and {hi}" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
+        raise RpcError(INVALID_PARAMS, f"'{name}' must be {need}, got {v}")
+    return v
+
+
+def _text(v, name: str) -> str:
+    if not isinstance(v, str):
+        raise RpcError(INVALID_PARAMS, f"'{name}' must be a string")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:   # a lone surrogate escape such as "\ud800"
+        raise RpcError(INVALID_PARAMS, f"'{name}' is not valid Unicode text") from None
+    return v
+
+
+def _flag(params: dict, name: str, default: bool) -> bool:
+    v = params.get(name, default)
+    if not isinstance(v, bool):
+        raise RpcError(INVALID_PARAMS, f"'{name}' must be true or false")
+    return v
+
+
+def _prompt(params: dict) -> Prompt:
+    if ("prompt" in params) == ("messages" in params):
+        raise RpcError(INVALID_PARAMS, "give exactly one of 'prompt' (a string) or 'messages' "
+                                       "(a list of {role, content})")
+    if "prompt" in params:
+        return _text(params["prompt"], "prompt")
+    msgs = params["messages"]
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+        raise RpcError(INVALID_PARAMS, "'messages' must be a non-empty list of {role, content}")
+    return [{"role": _text(m.get("role"), f"messages[{i}].role"),
+             "content": _text(m.get("content"), f"messages[{i}].content")}
+            for i, m in enumerate(msgs)]
+
+
+def parse_generate(rid: RequestId, params) -> Job:
+    """Validate generate params into a Job; any problem is -32602 naming the field."""
+    if not isinstance(params, dict):
+        raise RpcError(INVALID_PARAMS, "generate takes params as an object")
+    unknown = sorted(set(params) - set(GENERATE_PARAMS))
+    if unknown:
+        raise RpcError(INVALID_PARAMS, f"unknown parameter '{unknown[0]}' (generate accepts: "
+                                       f"{', '.join(GENERATE_PARAMS)})")
+    prompt, d = _prompt(params), SamplingParams()
+    seed = params.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RpcError(INVALID_PARAMS, "'seed' must be an integer or null")
+    sampling = SamplingParams(
+        temperature=_number(params, "temperature", d.temperature, 0.0),
+        top_k=_number(params, "top_k", d.top_k, 0, integer=True),
+        top_p=_number(params, "top_p", d.top_p, 0.0, 1.0),
+        min_p=_number(params, "min_p", d.min_p, 0.0, 1.0),
+        repeat_penalty=_number(params, "repeat_penalty", d.repeat_penalty, 0.0, lo_open=True),
+        seed=seed)
+    stop = params.get("stop", [])
+    if not isinstance(stop, list):
+        raise RpcError(INVALID_PARAMS, "'stop' must be a list of strings")
+    stop = [_text(s, f"stop[{i}]") for i, s in enumerate(stop)]
+    document = params.get("document")
+    return Job(rid, prompt, sampling,
+               max_tokens=_number(params, "max_tokens", DEFAULT_MAX_TOKENS, 1, integer=True),
+               stop=stop, document=None if document is None else _text(document, "document"),
+               speculate=_flag(params, "speculate", True), stream=_flag(params, "stream", True),
+               fixed_k=None if params.get("k") is None
+               else _number(params, "k", 0, 0, 32, integer=True))
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_envelope(line: bytes):
+    """One stdin line -> (id, method, params); id is NOTE for a notification.
+
+    Example: b'{"jsonrpc":"2.0","id":7,"method":"cancel","params":{"id":3}}'
+    -> (7, "cancel", {"id": 3}). Raises RpcError carrying the id to answer with (None if unknown).
+    """
+    try:
+        msg = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RpcError(PARSE_ERROR, f"parse error: {e}") from None
+    if not isinstance(msg, dict):
+        what = "batches (arrays) are not supported" if isinstance(msg, list) else \
+            "a message must be a JSON object"
+        raise RpcError(INVALID_REQUEST, f"invalid request: {what}")
+    rid = msg.get("id", NOTE)
+    if rid is not NOTE and (isinstance(rid, bool) or not isinstance(rid, (int, str))):
+        raise RpcError(INVALID_REQUEST, "invalid request: 'id' must be a string or an integer")
+    err = None
+    if msg.get("jsonrpc") != "2.0":
+        err = "'jsonrpc' must be \"2.0\""
+    elif not isinstance(msg.get("method"), str):
+        err = "'method' must be a string" if "method" in msg else "'method' is missing"
+    elif not isinstance(msg.get("params", {}), (dict, list)):
+        err = "'params' must be an object"
+    if err:
+        raise RpcError(INVALID_REQUEST, f"invalid request: {err}", None if rid is NOTE else rid)
+    return rid, msg["method"], msg.get("params", {})
+
+
+# -- the server ----------------------------------------------------------------------------------
+class Server:
+    """Owns the request queue and the table of unfinished generates. Only the worker (the thread
+    in serve()) uses the engine; the reader thread touches the queue, the table and the writer
+    (anything with send(message) -> bool, False once the client is gone: stdio.Writer)."""
+
+    def __init__(self, engine: Engine, writer):
+        self.engine, self.writer = engine, writer
+        self._queue: "queue.Queue[Union[Job, Stop]]" = queue.Queue()
+        self._jobs: dict = {}               # request id -> Job, queued or running
+        self._lock = threading.RLock()      # guards _jobs and _closing
+        self._closing = False
+        self._info = describe(engine)       # computed here: the reader never calls the engine
+
+    def serve(self, lines: Iterable[bytes]) -> None:
+        """Read `lines` on a daemon thread; run generations here until shutdown or EOF."""
+        threading.Thread(target=self._read, args=(lines,), name="localspec-stdin",
+                         daemon=True).start()
+        while True:
+            item = self._queue.get()
+            if isinstance(item, Stop):
+                if item.id is not NOTE:
+                    self._send({"jsonrpc": "2.0", "id": item.id, "result": None})
+                return
+            self._run(item)
+
+    # -- reader thread ---------------------------------------------------------------------------
+    def _read(self, lines: Iterable[bytes]) -> None:
+        try:
+            for line in lines:
+                if line.strip() and not self.handle_line(line):
+                    return                  # shutdown received: stop reading
+        finally:
+            self._stop(NOTE)                # EOF (or a bug here): finish like a silent shutdown
+
+    def handle_line(self, line: bytes) -> bool:
+        """Handle one message; False after `shutdown`."""
+        try:
+            rid, method, params = parse_envelope(line)
+        except RpcError as e:
+            self._error(e.id, e.code, e.message)
+            return True
+        if rid is NOTE and method not in ("cancel", "shutdown"):
+            return True                     # other notifications are accepted and ignored
+        handler = {"initialize": self._initialize, "generate": self._generate,
+                   "cancel": self._cancel, "shutdown": self._stop_request}.get(method)
+        try:
+            if handler is None:
+                raise RpcError(METHOD_NOT_FOUND, f"unknown method '{method}' (this server has: "
+                                                 f"{', '.join(METHODS)})")
+            result = handler(rid, params)
+        except Exception as e:
+            if not isinstance(e, RpcError):     # a bug: say so on stderr, keep serving
+                e = RpcError(INTERNAL_ERROR, _bug(e))
+            if rid is not NOTE:
+                self._error(None if isinstance(e, DuplicateId) else rid, e.code, e.message)
+            return True
+        if result is not DEFERRED and rid is not NOTE:
+            self._send({"jsonrpc": "2.0", "id": rid, "result": result})
+        return method != "shutdown"
+
+    def _initialize(self, rid, params) -> dict:
+        return self._info
+
+    def _generate(self, rid, params):
+        job = parse_generate(rid, params)
+        with self._lock:
+            if self._closing:
+                raise RpcError(GENERATION_ERROR, "the server is shutting down")
+            if rid in self._jobs:      # answered with id null: that id is the running one's
+                raise DuplicateId(INVALID_REQUEST, f"request id {json.dumps(rid)} is already "
+                                                   "used by an unfinished generate")
+            self._jobs[rid] = job
+        self._queue.put(job)
+        return DEFERRED
+
+    def _cancel(self, rid, params) -> dict:
+        target = params.get("id") if isinstance(params, dict) else None
+        if isinstance(target, bool) or not isinstance(target, (int, str)):
+            raise RpcError(INVALID_PARAMS, "'id' must be the string or integer id of a generate "
+                                           "request")
+        with self._lock:
+            job = self._jobs.get(target)
+            if job is not None:
+                job.cancel.set()
+        return {"cancelled": job is not None}
+
+    def _stop_request(self, rid, params):
+        self._stop(rid)
+        return DEFERRED
+
+    def _stop(self, rid) -> None:
+        """Cancel everything unfinished; the worker answers those, then `rid`, then returns."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            for job in self._jobs.values():
+                job.cancel.set()
+        self._queue.put(Stop(rid))
+
+    # -- worker ----------------------------------------------------------------------------------
+    def _run(self, job: Job) -> None:
+        if job.cancel.is_set():             # cancelled while queued: never started
+            return self._finish(job, result("", GenerationStats(stop_reason="cancelled")))
+        try:
+            gen = self.engine.generate(job.prompt, job.sampling, max_tokens=job.max_tokens,
+                                       stop=job.stop, document=job.document,
+                                       speculate=job.speculate, cancel=job.cancel,
+                                       policy=None if job.fixed_k is None else
+                                       replace(self.engine.config.policy, fixed_k=job.fixed_k))
+            for piece in gen:
+                if job.stream:
+                    self._send({"jsonrpc": "2.0", "method": PROGRESS,
+                                "params": {"id": job.id, "text": piece}})
+        except LocalspecError as e:
+            return self._finish(job, error=(GENERATION_ERROR, str(e)))
+        except Exception as e:              # a bug: say so on stderr, keep serving
+            return self._finish(job, error=(INTERNAL_ERROR, _bug(e)))
+        self._finish(job, result(gen.text, gen.stats))
+
+    def _finish(self, job: Job, result=None, error=None) -> None:
+        with self._lock:                    # from here on, cancel answers {"cancelled": false}
+            self._jobs.pop(job.id, None)
+        if error:
+            self._error(job.id, *error)
+        else:
+            self._send({"jsonrpc": "2.0", "id": job.id, "result": result})
+
+    # -- output ----------------------------------------------------------------------------------
+    def _error(self, rid, code: int, message: str) -> None:
+        self._send({"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message}})
+
+    def _send(self, msg: dict) -> None:
+        if not self.writer.send(msg):
+            self._stop(NOTE)                # the client is gone: stop work and exit
+
+
+def result(text: str, stats: GenerationStats) -> dict:
+    """The generate result; times rounded to the microsecond."""
+    d = {k: round(v, 3) if isinstance(v, float) else v for k, v in stats.to_dict().items()}
+    return {"text": text, "finish_reason": stats.stop_reason, "stats": d}
+
+
+def describe(engine: Engine) -> dict:
+    """The `initialize` result."""
+    model, cfg = engine.model, engine.config
+    has_template = model.chat_template() is not None
+    d = SamplingParams()
+    return {
+        "protocol_version": PROTOCOL_VERSION,
+        "server": {"name": "localspec", "version": __version__},
+        "model": {"path": str(model.path), "description": model.describe(),
+                  "n_ctx": engine.ctx.n_ctx, "n_ctx_train": model.n_ctx_train,
+                  "n_vocab": model.n_vocab, "chat_template": has_template},
+        "capabilities": {"streaming": True, "cancel": True, "document": True,
+                         "messages": has_template,
+                         "proposers": PROPOSERS.get(cfg.proposer, [cfg.proposer]),
+                         "k_max": cfg.policy.k_max, "fixed_k": cfg.policy.fixed_k},
+        "defaults": {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": d.temperature,
+                     "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
+                     "repeat_penalty": d.repeat_penalty, "speculate": True, "stream": True},
+    }

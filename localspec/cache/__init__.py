@@ -1,0 +1,1 @@
+"""Saved KV states of prompts: in RAM and on disk."""

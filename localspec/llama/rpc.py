@@ -1,0 +1,122 @@
+"""llama.cpp's RPC backend (ggml-rpc): run a model's layers on `localspec rpc-server` processes on
+other hosts (`--rpc HOST:PORT,...`), and run such a server. The protocol is unauthenticated: anyone
+who can reach a server's port can allocate its memory and run computations on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import struct
+from typing import Callable, Iterable, Optional
+
+from ..errors import LocalspecError
+from .backend import ggml_function
+
+PROTOCOL_MAJOR = 7          # RPC_PROTO_MAJOR_VERSION of the pinned build: both ends must agree
+_HELLO, _CAPS = 14, 24      # RPC_CMD_HELLO and RPC_CONN_CAPS_SIZE in that source
+DEFAULT_PORT = 50052        # llama.cpp's rpc-server default
+_attached: list = []        # endpoints whose devices llama.cpp has, in order
+
+
+def parse_servers(value: str) -> tuple:
+    """'a:1,b:2' -> ('a:1', 'b:2'), each checked to be HOST:PORT."""
+    servers = tuple(s.strip() for s in value.split(",") if s.strip())
+    for s in servers:
+        split_endpoint(s)
+    return servers
+
+
+def split_endpoint(endpoint: str) -> tuple:
+    host, _, port = endpoint.rpartition(":")
+    if not host or ":" in host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LocalspecError(f"RPC server {endpoint!r} is not HOST:PORT (e.g. 192.168.1.7:50052; "
+                             "ggml's RPC client takes IPv4 addresses and host names).")
+    return host, int(port)
+
+
+def probe(endpoint: str, timeout: float = 10.0) -> tuple:
+    """Connect and exchange HELLO; returns the server's protocol version (major, minor, patch).
+
+    ggml aborts the whole process when a server cannot be reached or answers wrongly, so each
+    one is checked here first, where a failure can still be one line."""
+    host, port = split_endpoint(endpoint)
+    hint = f"start one there with `localspec rpc-server --port {port}`"
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(bytes([_HELLO]) + struct.pack("<Q", _CAPS) + bytes(_CAPS))
+            reply = b""
+            while len(reply) < 8 + 4 + _CAPS:
+                data = sock.recv(256)
+                if not data:
+                    break
+                reply += data
+    except socket.timeout:
+        raise LocalspecError(f"RPC server {endpoint} did not answer within {timeout:.0f} s (it "
+                             "serves one client at a time: is another one using it?).") from None
+    except OSError as e:
+        raise LocalspecError(f"cannot reach RPC server {endpoint}: {e.strerror or e}; {hint}.") \
+            from None
+    if len(reply) < 11 or struct.unpack("<Q", reply[:8])[0] != 4 + _CAPS:
+        raise LocalspecError(f"{endpoint} does not answer as a ggml RPC server of this version; "
+                             f"{hint}.")
+    version = tuple(reply[8:11])
+    if version[0] != PROTOCOL_MAJOR:
+        raise LocalspecError(f"RPC server {endpoint} speaks protocol {'.'.join(map(str, version))}"
+                             f", this build {PROTOCOL_MAJOR}.x: run the same localspec there.")
+    return version
+
+
+def _entry(name: str, prototype):
+    """An RPC backend function, looked up as llama.cpp's own tools do: through the registry."""
+    reg = ggml_function("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)(b"RPC")
+    if not reg:
+        raise LocalspecError("this llama.cpp build has no RPC backend (GGML_RPC=ON); reinstall "
+                             "with ./install.sh, which builds it.")
+    addr = ggml_function("ggml_backend_reg_get_proc_address", ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_char_p)(reg, name.encode())
+    if not addr:
+        raise LocalspecError(f"the RPC backend of this llama.cpp build lacks {name}.")
+    return prototype(addr)
+
+
+def attach(endpoints: Iterable[str]) -> None:
+    """Give llama.cpp the devices of these servers, as its own --rpc does. It is process-wide:
+    every model loaded afterwards puts its offloaded layers (n_gpu_layers) on them, first."""
+    for endpoint in endpoints:
+        if endpoint in _attached:
+            continue
+        probe(endpoint)
+        add = _entry("ggml_backend_rpc_add_server", ctypes.CFUNCTYPE(ctypes.c_void_p,
+                                                                     ctypes.c_char_p))
+        reg = add(endpoint.encode())
+        if not reg:
+            raise LocalspecError(f"RPC server {endpoint} offers no device.")
+        ggml_function("ggml_backend_register", None, ctypes.c_void_p)(reg)
+        _attached.append(endpoint)
+
+
+def attached() -> tuple:
+    """Endpoints attached in this process (part of the device identity, e.g. calibration)."""
+    return tuple(_attached)
+
+
+def server(host: str, port: int, n_threads: int,
+           cache_dir: Optional[str] = None) -> Callable[[], None]:
+    """ggml's RPC server on this build's best local device (its GPUs, else the CPU), looked up and
+    checked now. The returned function blocks while it serves and returns only when it could not
+    start (ggml prints the reason on stderr)."""
+    start = _entry("ggml_backend_rpc_start_server", ctypes.CFUNCTYPE(
+        None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_void_p)))
+    count = ggml_function("ggml_backend_dev_count", ctypes.c_size_t)
+    get = ggml_function("ggml_backend_dev_get", ctypes.c_void_p, ctypes.c_size_t)
+    kind = ggml_function("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
+    devices = [get(i) for i in range(count())]
+    # Device types (ggml-backend.h): 0 CPU, 1 GPU, 2 integrated GPU, 3 accelerator, 4 meta.
+    chosen = [d for d in devices if kind(d) in (1, 2)] or [d for d in devices if kind(d) == 0][:1]
+    if not chosen:
+        raise LocalspecError("llama.cpp reports no device to serve.")
+    devs = (ctypes.c_void_p * len(chosen))(*chosen)
+    return lambda: start(f"{host}:{port}".encode(), cache_dir.encode() if cache_dir else None,
+                         n_threads, len(chosen), devs)

@@ -1,0 +1,1 @@
+"""How many tokens to draft: acceptance model, verify-cost model, calibration."""

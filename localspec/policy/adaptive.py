@@ -1,0 +1,235 @@
+"""The per-request draft policy: predicted acceptance per position (acceptance.py) against the
+learned verify cost (costmodel.py) picks k, and a regret guard turns speculation off for a while
+when the request's speculative steps realise fewer tokens per millisecond than plain ones.
+
+k = argmax over 1..n of E(k) / r(k), E(k) = 1 + p_0 + p_0 p_1 + ...; 0 (plain) unless the best
+beats `min_gain`, and only k whose loss if all are rejected, r(k) - 1 plain steps, fits the
+request's loss budget: `loss_budget` x (the longest run of right guesses it has shown + 1).
+The cost model may be shared by every request of one engine (it learns the machine); the
+acceptance model and the guard belong to one request (they learn the text).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+from .acceptance import AcceptanceConfig, AcceptanceModel, DraftFeatures, RequestState
+from .costmodel import CostModel
+from .draft_estimate import DraftPolicy
+
+PLAIN_EMA = 0.8     # the guard's plain-step time: the last ~5 plain steps of the request
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    decay: float = 0.85           # per speculative step: the guard judges the last ~7
+    min_steps: int = 6            # speculative steps before the first judgement
+    threshold: float = 0.9        # realised gain under this: back off (the acceptance model
+                                  # is trusted near break-even; the guard catches a bad prior)
+    backoff: int = 24             # plain steps before speculating again; doubles per failure
+    backoff_max: int = 384
+    step_cap: float = 2.0         # a step weighs at most this many plain steps' time in the
+                                  # window: one deep draft that misses is one piece of evidence,
+                                  # not the verdict (seen: one 15-token miss paused a summary
+                                  # running at 1.2x for 24 steps)
+
+
+class RegretGuard:
+    """Realised gain = tokens the speculative steps emitted x (what one plain step costs now) /
+    (what they cost), over a decayed window. Below `threshold` after `min_steps`: plain decoding
+    for `backoff` steps, then a probe (a fresh window); a failed probe doubles the backoff, a
+    good window resets it. A step dearer than `step_cap` plain steps enters the window scaled
+    down to that weight (its own gain unchanged), so no single step decides.
+
+    >>> g = RegretGuard()
+    >>> for step in range(10):
+    ...     if g.allows():
+    ...         g.speculative(n_emitted=1, ms=150.0, plain_ms=60.0)   # nothing accepted
+    ...     else:
+    ...         g.plain()
+    >>> g.allows(), g.n_backoffs
+    (False, 1)
+    """
+
+    def __init__(self, config: GuardConfig = GuardConfig()):
+        self.config = config
+        self._gain_num = self._gain_den = 0.0
+        self._steps = 0
+        self._off = 0                       # plain steps left before the next probe
+        self._backoff = config.backoff
+        self.n_backoffs = 0
+
+    def allows(self) -> bool:
+        return self._off == 0
+
+    @property
+    def gain(self) -> Optional[float]:
+        return self._gain_num / self._gain_den if self._gain_den > 0 else None
+
+    def speculative(self, n_emitted: int, ms: float, plain_ms: float) -> None:
+        """A step that drafted: it emitted n_emitted tokens in ms; a plain step costs plain_ms."""
+        c = self.config
+        if ms > c.step_cap * plain_ms > 0:
+            w = c.step_cap * plain_ms / ms
+            n_emitted, ms = n_emitted * w, ms * w
+        self._gain_num = self._gain_num * c.decay + n_emitted * plain_ms
+        self._gain_den = self._gain_den * c.decay + ms
+        self._steps += 1
+        if self._steps < c.min_steps:
+            return
+        if self.gain < c.threshold:
+            self._off = self._backoff
+            self._backoff = min(2 * self._backoff, c.backoff_max)
+            self.n_backoffs += 1
+            self._gain_num = self._gain_den = 0.0
+            self._steps = 0
+        elif self._steps >= 2 * c.min_steps:
+            self._backoff = c.backoff        # a probe that pays: forget earlier failures
+
+    def plain(self) -> None:
+        """A step that did not draft."""
+        if self._off:
+            self._off -= 1
+
+
+def best_draft(p: Sequence[float], r: Sequence[float]) -> tuple:
+    """(k, E(k) / r(k)) at the k in 1..len(p) that maximises the predicted gain, the first on a
+    tie, E(k) = 1 + p_0 + p_0 p_1 + ... (acceptance.expected_by_k, here in floats: 1-16
+    positions, every step); (0, 0.0) for no positions.
+
+    >>> best_draft([0.9, 0.9, 0.1], [1.0, 1.5, 1.8, 2.0])
+    (2, 1.5055555555555555)
+    """
+    best_k, best, run, e = 0, 0.0, 1.0, 1.0
+    for k, pk in enumerate(p, 1):
+        run *= pk
+        e += run
+        if e / r[k] > best:
+            best_k, best = k, e / r[k]
+    return best_k, best
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    k_max: int = 16
+    fixed_k: Optional[int] = None  # set: always draft this many (no model, no guard)
+    min_gain: float = 1.1         # predicted speed over plain that a draft must beat: the
+                                  # drafts taken are those predicted best, and in prose they
+                                  # are accepted less than predicted (held-out replay, policy.md)
+    loss_budget: float = 0.4      # plain steps a draft may risk per token of the longest
+                                  # copied run the request has shown (+1): deep drafts on
+                                  # steep CPUs wait for evidence that the text copies long runs
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+    def unbudgeted(self) -> "AdaptiveConfig":
+        """The policy as it was before 2026-11-24 (no loss budget, min_gain 1.0), kept so the
+        replay and the bench (mode ngram-unbudgeted) can compare the two."""
+        return replace(self, min_gain=1.0, loss_budget=math.inf)
+
+
+class AdaptivePolicy:
+    """One request's policy. The step calls, in order:
+    start() after prefill; per step the proposer calls choose_draft(features), then the
+    step calls observe_step(...) with what verification decided and what it cost."""
+
+    def __init__(self, cost: CostModel, config: AdaptiveConfig = AdaptiveConfig(),
+                 draft: Optional[DraftPolicy] = None):
+        self.cost = cost
+        self.config = config
+        # A draft model's proposals have none of the n-gram features: they keep the scalar
+        # acceptance estimate of policy.DraftPolicy (and its probes), on the prior cost curve.
+        self.draft = draft if draft is not None else DraftPolicy(cost.prior.tolist())
+        self.acceptance = AcceptanceModel(config.acceptance)
+        self.guard = RegretGuard(config.guard)
+        self.state = RequestState()
+        self._seen = (None, None)   # the last proposal predicted, and its base logits
+        self._plain_ms: Optional[float] = None   # this request's plain steps, smoothed
+
+    def start(self) -> None:
+        """A new request: nothing is known about its text yet."""
+        self.state = RequestState()
+        self._plain_ms = None
+
+    def choose_k(self, source: str, available: Optional[int] = None, probe: bool = False) -> int:
+        """k for a draft model's proposal (DraftProposer asks before it drafts)."""
+        return self.draft.choose_k(source, available, probe)
+
+    def predict(self, f: DraftFeatures) -> list:
+        """p_0..p_{n-1} of the proposal's positions (n capped by k_max)."""
+        return self.acceptance.probs(self._logits(f))
+
+    def _logits(self, f: DraftFeatures, depth: Optional[int] = None) -> list:
+        """The proposal's prior logits of its first `depth` positions (None: all it may draft),
+        kept for observe_step() to learn from."""
+        n = min(len(f.tokens), self.config.k_max, self.cost.k_max)
+        if depth is not None:
+            n = min(n, depth)
+        base = self.acceptance.base_logits(f, n, self.state)
+        self._seen = (f, base)
+        return base
+
+    def choose_draft(self, f: DraftFeatures) -> int:
+        if self.config.fixed_k is not None:
+            return max(0, min(self.config.fixed_k, len(f.tokens)))
+        depth, r = 0, None
+        if self.guard.allows():         # paused: the cost curve is not read (its refit waits)
+            r = self.cost.ratio_list()
+            depth = self._depth(r)
+        base = self._logits(f, max(1, depth))   # also when off: the plain step learns from p_0
+        if not depth or not base:
+            return 0
+        k, gain = best_draft(self.acceptance.probs(base), r)
+        return k if gain > self.config.min_gain else 0
+
+    def _depth(self, r: Sequence[float]) -> int:
+        """How many drafts the loss budget lets this request risk: the k before the first whose
+        r(k) - 1 plain steps lost (a draft missing at once) exceed `loss_budget` x (the longest
+        run of right guesses the request has shown + 1). On a GPU, r(k) ~ 1: never binding; on
+        a 2-core CPU, 15 drafts risk ~6 steps. Only these positions are predicted: on chat, 2-5
+        of up to 16 (the Python per step that runs whether or not anything is drafted)."""
+        budget = 1.0 + self.config.loss_budget * (self.state.longest + 1)
+        n, d = min(self.config.k_max, len(r) - 1), 0
+        while d < n and r[d + 1] <= budget:
+            d += 1
+        return d
+
+    def observe_step(self, f: Optional[DraftFeatures], k: int, n_accepted: int,
+                     emitted: Sequence[int], verify_ms: Optional[float] = None,
+                     propose_ms: float = 0.0) -> None:
+        """f: the proposal's features (None: no match, or a forced plain re-decode); k drafted,
+        n_accepted of them passed the verifier, `emitted` the tokens the step produced (the
+        near-tie guard may cut them short, even to none); verify_ms the batch's decode time,
+        propose_ms the proposer's."""
+        if verify_ms is not None:
+            self.cost.observe(k, verify_ms)
+            if not k:
+                self._plain_ms = verify_ms if self._plain_ms is None else \
+                    PLAIN_EMA * self._plain_ms + (1.0 - PLAIN_EMA) * verify_ms
+        if f is not None and len(f.tokens):
+            base = self._seen[1] if self._seen[0] is f else None
+            if k:
+                self.acceptance.observe(f, k, n_accepted, self.state, base)
+            elif emitted:             # not drafted: plain decoding says what it would have scored
+                self.acceptance.observe(f, 1, int(f.tokens[0] == emitted[0]), self.state, base)
+        if k:
+            ms = (verify_ms if verify_ms is not None else self._model_ms(k)) + propose_ms
+            self.guard.speculative(len(emitted), ms, self._plain_reference())
+        else:
+            self.guard.plain()
+        self.state.verified(f, k, n_accepted, emitted)
+
+    def _plain_reference(self) -> float:
+        """What a plain step costs the request now: its own recent plain steps (the engine's cost
+        model carries the previous request's context length and minute: seen ~7% low at the
+        start of a summary), else the cost model's estimate."""
+        if self._plain_ms is not None:
+            return self._plain_ms
+        return self._model_ms(0)
+
+    def _model_ms(self, k: int) -> float:
+        """Without timings (online off): the cost curve in plain-step units stands in for ms."""
+        ms = self.cost.ms(k)
+        return ms if ms is not None else self.cost.ratio(k)

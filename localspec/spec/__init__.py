@@ -1,0 +1,1 @@
+"""The speculative core: sampling, proposers, verifier, step, engine."""

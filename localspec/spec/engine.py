@@ -1,0 +1,351 @@
+"""The generation loop: prefill, then speculative steps (step.py) until a stop rule fires.
+
+Plain decoding is the same loop with no drafts (k = 0), so the baseline and the speculative path
+share the prefill, the sampler chain, the random stream and the stopping rules. The engine owns
+the target's context, the loop and lifetimes; factory.py builds the model and the proposer.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from ..policy.adaptive import AdaptiveConfig, AdaptivePolicy
+from ..policy.calibrate import load_or_measure
+from .config import EngineConfig
+from ..errors import LocalspecError
+from .factory import context_params, fit_to_device, load_model, make_cache, make_proposer
+from ..llama import Context, Model
+from ..policy.costmodel import CostConfig, CostModel
+from ..policy.draft_estimate import DraftPolicy, PolicyConfig
+from ..cache.prompt_cache import PromptCache
+from .proposers import EMPTY, Proposal, Proposer
+from .sampling import PositionStream, SamplingParams, draw, target_dist
+from .stats import GenerationStats
+from .step import StepResult, step
+from .textstream import TextStream
+
+__all__ = ["Engine", "EngineConfig", "Generation", "Prompt"]
+
+Prompt = Union[str, Sequence[dict], Sequence[int]]
+# Prompt tokens per decode call while prefilling: a cancel (Ctrl-C in chat, `cancel` in the
+# protocol) is seen between two chunks, ~5 s apart for the 1.5B at 50 prompt tokens/s on 2 cores
+# (llama.cpp's own n_batch, 512, would be ~10 s). Measured cost: 0.99x the prefill speed of whole
+# n_batch calls, inside the noise (docs/benchmarks.md, "Prefill chunk size").
+PREFILL_CHUNK = 256
+
+
+@dataclass
+class _Request:
+    """Mutable state of one generate() call."""
+
+    sampling: SamplingParams
+    stream: PositionStream
+    policy: Optional[AdaptivePolicy]
+    history: list                 # prompt + emitted tokens (what penalties and n-gram see)
+    tie_margin: float             # the near-tie guard for this request (0: off)
+    out: list = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    recheck: bool = False         # the next step decodes one token: a near-tie is re-decided
+
+
+class Generation:
+    """Iterate for text pieces as they are ready; afterwards `.text`, `.tokens`, `.stats`."""
+
+    def __init__(self, run: Iterator[str], request: _Request, texts: TextStream):
+        self._run, self._request, self._texts = run, request, texts
+
+    def __iter__(self) -> Iterator[str]:
+        return self._run              # the loop itself: no wrapper frame per piece
+
+    def close(self) -> None:
+        """End the request where it is, now rather than whenever Python collects it: the engine's
+        cleanup runs at once (its KV keeps the prompt and the tokens emitted so far). No-op once
+        the request has ended."""
+        self._run.close()
+
+    def complete(self) -> str:
+        for _ in self:
+            pass
+        return self.text
+
+    def complete_tokens(self) -> list:
+        self.complete()
+        return list(self.tokens)
+
+    @property
+    def text(self) -> str:
+        return self._texts.text
+
+    @property
+    def tokens(self) -> list:
+        return self._request.out
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self._request.stats
+
+
+class Engine:
+    """A target model, its context, and a proposer. Not thread-safe: one generation at a time.
+
+    `target` is a catalog name, a path, or a loaded Model (shared, not closed here). `proposer`
+    replaces the one the config would build, `context` the target context (tests pass scripted
+    ones); the engine closes whichever it runs.
+    """
+
+    def __init__(self, target: Union[str, os.PathLike, Model], config: EngineConfig = EngineConfig(),
+                 progress: Optional[Callable[[str], None]] = None,
+                 proposer: Optional[Proposer] = None, context: Optional[Context] = None):
+        self.config = config
+        self._progress = progress
+        self._own_model = isinstance(target, (str, os.PathLike))
+        self.model = load_model(target, config.n_gpu_layers, config.exact, config.rpc) \
+            if self._own_model else target
+        self.proposer: Optional[Proposer] = None
+        self.cache: Optional[PromptCache] = None
+        try:
+            self.ctx = context if context is not None else \
+                Context(self.model, context_params(config))
+            self.cache = make_cache(config, self.model)
+            self.proposer = proposer if proposer is not None else \
+                make_proposer(config, self.model, self.cache)
+        except Exception:
+            self.close()
+            raise
+        if self.ctx.n_ctx > self.model.n_ctx_train > 0:
+            print(f"localspec: warning: a context of {self.ctx.n_ctx} tokens is more than "
+                  f"{self.model.path.name} was trained on ({self.model.n_ctx_train}); output "
+                  "past that length may degrade. Lower --ctx unless you know it copes.",
+                  file=sys.stderr)
+        self._cost: Optional[CostModel] = None   # learns this machine across requests
+        self._draft_cost = 0.0
+        self._can_rollback = True
+
+    # -- public --------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> list:
+        """Raw text (BOS added as the model wants), chat messages (the model's template), or
+        token ids used as they are."""
+        if isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], int)):
+            return list(prompt)
+        if isinstance(prompt, str):
+            return self.model.tokenize(prompt, add_special=True, parse_special=False)
+        text = self.model.apply_chat_template(list(prompt), add_assistant=True)
+        return self.model.tokenize(text, add_special=True, parse_special=True)
+
+    def generate(self, prompt: Prompt, sampling: SamplingParams = SamplingParams(),
+                 max_tokens: int = 256, stop: Sequence[str] = (), document: Optional[str] = None,
+                 speculate: bool = True, cancel: Optional[threading.Event] = None,
+                 policy: Optional[PolicyConfig] = None) -> Generation:
+        """Start a generation. `prompt` is raw text, or chat messages [{"role", "content"}] that
+        are rendered with the model's own template. `document` is extra text for the n-gram
+        proposer to search; `policy` overrides the engine's draft policy for this request.
+        Iterate the result for streamed text."""
+        prompt_tokens = self.tokenize_prompt(prompt)
+        if not prompt_tokens:
+            raise LocalspecError("the prompt is empty (and this model adds no start token); "
+                                 "give at least one character of prompt.")
+        if len(prompt_tokens) >= self.ctx.n_ctx:
+            raise LocalspecError(
+                f"the prompt is {len(prompt_tokens)} tokens but the context holds {self.ctx.n_ctx}; "
+                f"raise --ctx (the model was trained on {self.model.n_ctx_train}) or shorten it.")
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        rules = self._policy(policy) if speculate else None
+        guard = self.config.tie_margin if sampling.greedy and not self.config.exact else 0.0
+        req = _Request(sampling, PositionStream(seed), rules, list(prompt_tokens), guard)
+        if rules is not None:
+            doc = self.model.tokenize(document, add_special=False) if document else None
+            self.proposer.begin(prompt_tokens, doc, sampling, seed)
+        texts = TextStream(self.model.token_piece, stop)
+        return Generation(self._run(req, texts, max_tokens, cancel), req, texts)
+
+    def next_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """The logits row [n_vocab] after `tokens`, evaluated from a cold cache (a copy)."""
+        self.reset()
+        try:
+            return np.array(self.ctx.sync(list(tokens))[0])
+        finally:
+            self.reset()
+
+    def reset(self) -> None:
+        """Forget the KV cache: the next request evaluates its whole prompt (cold start)."""
+        self.ctx.clear()
+
+    def prepare(self) -> None:
+        """Measure (or load) the cost curve now rather than on the first speculative request,
+        e.g. when a server starts, and drop a draft model that cannot pay."""
+        if self.proposer is not None:
+            self._policy(None)
+
+    def keep_live_state(self) -> None:
+        """Save the live KV state in the prompt cache (on disk too when it has a folder), e.g.
+        before a server exits, so the next process finds the last document it read."""
+        if self.cache is None:
+            return
+        try:
+            self.cache.store(self.ctx)
+        except (OSError, LocalspecError) as e:
+            print(f"localspec: could not save the prompt state ({e}).", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.proposer is not None:
+            self.proposer.close()
+            self.proposer = None
+        if getattr(self, "ctx", None) is not None:
+            self.ctx.close()
+        if self._own_model:
+            self.model.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _run(self, req: _Request, texts: TextStream, max_tokens: int,
+             cancel: Optional[threading.Event]) -> Iterator[str]:
+        st, n_prompt = req.stats, len(req.history)
+        st.prompt_tokens = n_prompt
+        start = time.perf_counter()
+        try:
+            # A saved state holding more of the prompt than the live KV is restored first.
+            reuse = self.cache.prepare(self.ctx, req.history) if self.cache is not None else None
+            logits, reused = self.ctx.sync(req.history, stop=cancel, chunk=PREFILL_CHUNK)
+            st.prefill_tokens = self.ctx.n_past - reused
+            st.record_reuse(reuse.source if reuse else "context", reused,
+                            reuse.restore_ms if reuse else 0.0)
+            st.prefill_ms = 1000 * (time.perf_counter() - start)
+            if logits is None:                 # cancelled between two chunks of the prompt
+                return
+            if not np.isfinite(logits).all():
+                self.ctx.clear()               # rows computed from such weights are no use
+                raise LocalspecError(
+                    f"{self.model.path.name} produced NaN/infinite logits for this prompt: its "
+                    "weights are most likely corrupt. Check it with `localspec models verify`, "
+                    "then re-download (`localspec models pull NAME --force`) or replace the file.")
+            emitted = [draw(target_dist(logits, req.sampling, req.history), req.stream.u(0, 0))]
+            while True:
+                for tok in emitted:
+                    if self.model.is_eog(tok):
+                        st.stop_reason = "eos"
+                        break
+                    req.out.append(tok)
+                    req.history.append(tok)
+                    piece = texts.feed(tok)
+                    if piece:
+                        yield piece
+                    if texts.stopped:
+                        st.stop_reason = "stop"
+                        break
+                    if len(req.out) >= max_tokens:
+                        st.stop_reason = "length"
+                        break
+                if st.stop_reason:
+                    break
+                if req.policy is not None:
+                    self.proposer.accept(emitted)
+                if cancel is not None and cancel.is_set():
+                    st.stop_reason = "cancelled"
+                    break
+                if self.ctx.n_past + 1 >= self.ctx.n_ctx:
+                    st.stop_reason = "context"
+                    break
+                emitted = self._step(req)
+            tail = texts.finish()
+            if tail:
+                yield tail
+        finally:
+            # Keep only KV rows that match prompt + output: a stop inside an accepted run, an
+            # exception or Ctrl-C must not leave stray rows for the next request to reuse.
+            self.ctx.reconcile()
+            if not self.ctx.truncate(min(self.ctx.n_past, n_prompt + len(req.out))):
+                self.ctx.clear()
+            st.generated_tokens = len(req.out)
+            if req.policy is not None:
+                st.pauses = req.policy.guard.n_backoffs
+            st.total_ms = 1000 * (time.perf_counter() - start)
+            if not st.stop_reason:
+                st.stop_reason = "cancelled"
+
+    def _step(self, req: _Request) -> list:
+        """Ask the proposer (unless a near-tie must be re-decided alone), run one step, learn."""
+        t0 = time.perf_counter()
+        room = self.ctx.n_ctx - self.ctx.n_past - 1
+        proposal = self.proposer.propose(req.policy, room) \
+            if req.policy is not None and room > 0 and not req.recheck else EMPTY
+        propose_ms = 1000 * (time.perf_counter() - t0)
+        result = step(self.ctx, proposal, req.sampling, req.history, req.stream,
+                      t0=len(req.out), tie_margin=req.tie_margin)
+        req.recheck = result.recheck
+        if not result.rolled_back:
+            self._rollback_refused(req, result.emitted)
+        if req.policy is not None:
+            self._learn(req.policy, proposal, result, propose_ms)
+        st = req.stats
+        st.record_step(proposal.source, result.n_drafted,
+                       min(result.n_accepted, len(result.emitted)))
+        st.rechecks += result.recheck
+        st.step_tokens += len(result.emitted)
+        st.propose_ms += propose_ms
+        st.verify_ms += result.verify_ms
+        st.sample_ms += result.sample_ms
+        return result.emitted
+
+    @staticmethod
+    def _learn(policy: AdaptivePolicy, proposal: Proposal, result: StepResult,
+               propose_ms: float) -> None:
+        if proposal.source == "draft":     # the draft model keeps its scalar estimate
+            if result.n_drafted:
+                policy.draft.observe("draft", result.n_drafted, result.n_accepted)
+            return
+        # n-gram proposals and plain steps: acceptance, the guard and the cost curve learn
+        policy.observe_step(proposal.features, result.n_drafted, result.n_accepted,
+                            result.emitted, result.verify_ms, propose_ms)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _policy(self, override: Optional[PolicyConfig]) -> Optional[AdaptivePolicy]:
+        """The draft policy for a request (None: decode plainly): per-request acceptance and
+        guard (adaptive.py) on the engine's cost model, which starts from the calibrated curve and
+        learns from every step's timing. Drops a draft model that cannot pay here, once."""
+        if self.proposer is None or not self._can_rollback:
+            return None
+        config = override or self.config.policy
+        adaptive = AdaptiveConfig(k_max=config.k_max, fixed_k=config.fixed_k)
+        if config.unbudgeted:
+            adaptive = adaptive.unbudgeted()
+        if config.fixed_k is not None:    # no choice to make: no cost curve to measure
+            flat = [1.0] * (config.k_max + 1)
+            return AdaptivePolicy(CostModel(flat, config=CostConfig(online=False)), adaptive,
+                                  DraftPolicy(flat, config))
+        if self._cost is None:
+            curve = load_or_measure(self.ctx, self.config.n_gpu_layers, self.config.policy.k_max,
+                                    progress=self._progress)
+            st = curve.notes.get("stability")
+            self._cost = CostModel(curve.ratios, curve.ms_per_step,
+                                   CostConfig(online=self.config.learn_cost),
+                                   noisy=bool(st is not None and st.noisy))
+            self._draft_cost = self.proposer.draft_cost(curve, self._progress)
+        rules = DraftPolicy(self._cost.prior.tolist(), config, self._draft_cost)
+        self.proposer = fit_to_device(self.proposer, rules)
+        if self.proposer is not None and not self.proposer.uses_draft_model:
+            self._draft_cost = 0.0
+        if self.proposer is None:
+            return None
+        return AdaptivePolicy(self._cost, adaptive, rules)
+
+    def _rollback_refused(self, req: _Request, emitted: list) -> None:
+        """The model's memory cannot drop rows (recurrent/hybrid): rebuild KV, stop speculating."""
+        print("localspec: this model cannot roll back its KV cache; continuing with plain "
+              "decoding.", file=sys.stderr)
+        self._can_rollback = False
+        req.policy = None
+        self.ctx.clear()
+        self.ctx.decode((req.history + emitted)[:-1], logits="none")

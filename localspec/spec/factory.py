@@ -1,0 +1,119 @@
+"""Builds what an Engine runs from its config: the target model (with exact-mode kernels when
+asked), the context settings, the prompt cache, and the proposer, loading the draft model and
+checking that it can draft for the target. Also decides, once the cost curve is known, whether a
+draft model can pay.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Union
+
+from ..policy.acceptance import TokenClasses
+from ..catalog.models import resolve_model
+from .compat import check_pair
+from .config import PROPOSERS, EngineConfig
+from ..errors import LocalspecError
+from ..files import cache_dir
+from ..llama import ContextParams, Model, ModelParams, enable_exact_kernels
+from ..policy.draft_estimate import DraftPolicy
+from ..cache.prompt_cache import PromptCache, default_budget_mb
+from .proposers import DraftProposer, HybridProposer, NgramProposer, Proposer
+from ..llama.rpc import attach as attach_rpc
+
+
+def model_params(n_gpu_layers: int, exact: bool) -> ModelParams:
+    """Exact mode loads weights without repacking (see README "Exactness")."""
+    return ModelParams(n_gpu_layers=n_gpu_layers, use_extra_bufts=False if exact else None)
+
+
+def load_model(target: Union[str, os.PathLike], n_gpu_layers: int = 0,
+               exact: bool = False, rpc: tuple = ()) -> Model:
+    """Resolve a catalog name or path (pulling if needed) and load it; exact mode switches the
+    batch-invariant kernels on first, since ggml reads that switch at the first decode. RPC
+    servers are attached before the load (process-wide), and where the layers went is said,
+    since RPC is otherwise silent."""
+    if exact:
+        enable_exact_kernels()
+    attach_rpc(rpc)
+    model = Model(resolve_model(str(target)), model_params(n_gpu_layers, exact))
+    if rpc:
+        print(f"localspec: {model.path.name}: {model.placement or 'every layer on this machine'}",
+              file=sys.stderr)
+    return model
+
+
+def context_params(config: EngineConfig) -> ContextParams:
+    return ContextParams(config.n_ctx, config.n_batch, config.n_threads)
+
+
+def make_cache(config: EngineConfig, target: Model) -> Optional[PromptCache]:
+    """The prompt cache the engine and a draft model share (None when cache_mb is 0)."""
+    if config.cache_mb == 0:
+        return None
+    budget = config.cache_mb if config.cache_mb is not None else \
+        default_budget_mb(target, config.n_ctx)
+    return PromptCache(budget, cache_dir("prompt-cache") if config.cache_disk else None)
+
+
+def make_proposer(config: EngineConfig, target: Model,
+                  cache: Optional[PromptCache] = None) -> Optional[Proposer]:
+    """The configured proposer (None for plain decoding); loads and checks the draft model,
+    which keeps its prompt states in `cache` beside the target's."""
+    if config.proposer not in PROPOSERS:
+        raise LocalspecError(f"unknown proposer {config.proposer!r}; "
+                             "use ngram, draft, hybrid or none.")
+    if config.proposer == "none":
+        return None
+    if config.proposer == "ngram":
+        return make_ngram(config, target)
+    if not config.draft:
+        raise LocalspecError(f"--proposer {config.proposer} needs a draft model: "
+                             "pass --draft MODEL (e.g. --draft default-draft).")
+    draft = load_draft(config, target, cache)
+    if config.proposer == "draft":
+        return draft
+    return HybridProposer(make_ngram(config, target), draft)
+
+
+def make_ngram(config: EngineConfig, target: Model) -> NgramProposer:
+    """The n-gram proposer, telling the acceptance model which drafted tokens are line breaks or
+    sentence ends (acceptance.token_class) through the target's vocabulary."""
+    return NgramProposer(config.ngram_min, config.ngram_max, config.ngram_tie,
+                         token_classes=TokenClasses(target.token_piece))
+
+
+def load_draft(config: EngineConfig, target: Model,
+               cache: Optional[PromptCache] = None) -> DraftProposer:
+    layers = config.n_gpu_layers if config.draft_gpu_layers is None else config.draft_gpu_layers
+    model = Model(resolve_model(config.draft), model_params(layers, config.exact))
+    try:
+        report = check_pair(target, model)
+        if not report.ok:
+            raise LocalspecError(
+                f"draft model {model.path.name} cannot draft for {target.path.name}: "
+                f"{report.problems[0]}; use a draft of the same model family (same tokenizer), "
+                "or see `localspec doctor`.")
+        return DraftProposer(model, context_params(config), target.n_vocab,
+                             config.draft_min_confidence, layers, cache)
+    except Exception:
+        model.close()
+        raise
+
+
+def fit_to_device(proposer: Proposer, policy: DraftPolicy) -> Optional[Proposer]:
+    """Drop the draft model where the cost curve says it cannot pay (it would only add its
+    prefill to every prompt and its catch-up to every probe); hybrid keeps n-gram lookup.
+    One line on stderr says so."""
+    if not proposer.uses_draft_model or policy.draft_can_pay():
+        return proposer
+    rest = proposer.without_draft_model()
+    then = "drafting with n-gram lookup only." if rest is not None else \
+        "decoding without speculation."
+    cfg = policy.config
+    print(f"localspec: the draft model cannot pay on this device (one draft decode costs "
+          f"{policy.draft_cost:.2f} target steps, so even at {cfg.draft_best_acceptance:.0%} "
+          f"acceptance no draft length gains {cfg.draft_min_gain - 1:.0%} over plain "
+          f"decoding); {then}", file=sys.stderr)
+    return rest

@@ -1,0 +1,229 @@
+"""Proposers: where draft tokens come from. Every proposer has the same small lifecycle
+(the `Proposer` base class); the engine depends on that and nothing else:
+
+    begin(history, document, sampling, seed)   the prompt tokens and request settings
+    propose(policy, room) -> Proposal          draft tokens; the proposer asks the policy for k
+    accept(tokens)                             the tokens the verifier emitted this step
+    close()
+
+A cheap proposer (n-gram) looks first and asks the policy how many of its tokens to use; a costly
+one (draft model) asks the policy for k first and only then spends time drafting. Proposers are
+built from the engine's config by factory.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ..policy.acceptance import DraftFeatures
+from ..policy.calibrate import load_or_measure
+from ..llama import Context, ContextParams, Model
+from .ngram import NGRAM_MAX, NGRAM_TIE, SOURCE_DOCUMENT, NgramIndex
+from ..policy.draft_estimate import CostCurve, DraftPolicy
+from .sampling import SamplingParams, draw, target_dist
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list                      # [k] draft token ids
+    p_draft: Optional[list]           # [k] Dist, or None: point masses (n-gram, greedy drafts)
+    source: str                       # "history" | "document" | "draft"
+    features: Optional[DraftFeatures] = None  # what the proposer knew (n-gram): the policy's
+                                              # observe_step() wants it back after verify
+
+    @property
+    def shadow(self) -> Optional[int]:
+        """Nothing drafted but the matcher had a guess: its first token (plain decoding's token
+        then says what drafting would have scored)."""
+        f = self.features
+        return int(f.tokens[0]) if f is not None and not self.tokens and len(f.tokens) else None
+
+    @property
+    def key(self) -> str:
+        """The acceptance-estimate key of policy.DraftPolicy: source and match length."""
+        return DraftPolicy.key_for(self.features) if self.features is not None else self.source
+
+
+EMPTY = Proposal([], None, "none")
+
+
+class Proposer:
+    """The lifecycle the engine depends on. The last two methods matter only to proposers that
+    run a draft model: its cost enters the policy, and where it cannot pay it is dropped."""
+
+    name = "proposer"
+    uses_draft_model = False
+
+    def begin(self, history: Sequence[int], document: Optional[Sequence[int]] = None,
+              sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
+        raise NotImplementedError
+
+    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
+        raise NotImplementedError
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def draft_cost(self, target: CostCurve, progress: Optional[Callable[[str], None]] = None
+                   ) -> float:
+        """One draft-model decode in target-decode units (0: drafting costs nothing)."""
+        return 0.0
+
+    def without_draft_model(self) -> Optional["Proposer"]:
+        """What is left once the draft model is dropped (closing it): self, a part, or None."""
+        return self
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: continue the longest suffix (up to ngram_max tokens) that occurred earlier
+    in the prompt, the generated text, or the lookup document (C matcher, incremental, no
+    rescans; occurrence chosen by `tie`, see ngram.py for the defaults and why)."""
+
+    name = "ngram"
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = NGRAM_MAX, tie: str = NGRAM_TIE,
+                 token_classes=None):
+        self._index = NgramIndex(ngram_min=ngram_min, ngram_max=ngram_max, tie=tie)
+        self._classes = token_classes      # acceptance.TokenClasses, or None
+
+    def begin(self, history: Sequence[int], document: Optional[Sequence[int]] = None,
+              sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
+        self._index.truncate(0)
+        self._index.append(list(history))
+        self._index.set_document(list(document) if document else None)
+
+    def features(self, room: int, k_max: int) -> Optional[DraftFeatures]:
+        """The continuation the matcher offers now, with its occurrence support; None: no match."""
+        found = self._index.propose_supported(min(k_max, room))
+        if found is None:
+            return None
+        tokens, source, ngram_len, n_occ, agree = found
+        breaks = self._classes(tokens) if self._classes is not None else None
+        return DraftFeatures(tokens, "document" if source == SOURCE_DOCUMENT else "history",
+                             ngram_len, n_occ, agree, breaks)
+
+    def propose(self, policy, room: int) -> Proposal:
+        """policy: anything with config.k_max and choose_draft(DraftFeatures) -> k
+        (policy.DraftPolicy, adaptive.AdaptivePolicy)."""
+        f = self.features(room, policy.config.k_max)
+        if f is None:
+            return EMPTY
+        return Proposal(list(f.tokens[:policy.choose_draft(f)]), None, f.source, features=f)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self._index.append(list(tokens))
+
+    def close(self) -> None:
+        self._index.close()
+
+
+class DraftProposer(Proposer):
+    """A smaller model of the same family drafts autoregressively in its own context.
+
+    Owns its model and context. Its KV is kept in step with the target by common prefix
+    (Context.sync): before drafting, rows past the accepted history are dropped and only the
+    tokens it has not seen (the recovered/bonus token, at most one more) are decoded, never a
+    re-prefill of the whole history.
+    """
+
+    name = "draft"
+    uses_draft_model = True
+
+    def __init__(self, model: Model, params: ContextParams, n_vocab_target: int,
+                 min_confidence: float = 0.0, n_gpu_layers: int = 0, cache=None):
+        self.model = model
+        self.cache = cache                        # a PromptCache shared with the target, or None
+        self.ctx = Context(model, params)
+        # Draft ids the target does not have are never proposed: logits are cut to shared ids.
+        self.n_shared = min(n_vocab_target, model.n_vocab)
+        self.min_confidence = min_confidence      # stop drafting when p_draft(x) falls below
+        self.n_gpu_layers = n_gpu_layers          # part of its calibration's identity
+        self._history: list = []
+        self._sampling = SamplingParams()
+        self._rng = np.random.default_rng(0)
+
+    def begin(self, history: Sequence[int], document=None,
+              sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
+        self._history = list(history)
+        self._sampling = sampling or SamplingParams()
+        self._rng = np.random.default_rng(seed ^ 0x5EED)   # independent of the target's stream
+        # Prompt processing for the draft belongs with the target's prefill (time to first
+        # token); left to the first proposal it would stall decoding for a whole prefill. A
+        # prompt seen before comes back from the cache, as the target's does.
+        if self.cache is not None:
+            self.cache.prepare(self.ctx, self._history)
+        self.ctx.sync(self._history)
+
+    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
+        k = policy.choose_k("draft", available=min(room, self.ctx.n_ctx - len(self._history)),
+                            probe=True)
+        if k <= 0:
+            return EMPTY
+        row, _ = self.ctx.sync(self._history)
+        tokens, dists = [], []
+        for i in range(k):
+            dist = target_dist(row[: self.n_shared], self._sampling, self._history + tokens)
+            x = int(dist.ids[0]) if self._sampling.greedy else draw(dist, self._rng.random())
+            tokens.append(x)
+            dists.append(dist)
+            if i == k - 1 or (self.min_confidence and dist.prob(x) < self.min_confidence):
+                break
+            row = self.ctx.decode([x], logits="last")[0]
+        return Proposal(tokens, None if self._sampling.greedy else dists, "draft")
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self._history.extend(tokens)
+
+    def draft_cost(self, target: CostCurve, progress=None) -> float:
+        mine = load_or_measure(self.ctx, self.n_gpu_layers, 1, progress=progress)
+        return mine.ms_per_step / target.ms_per_step
+
+    def without_draft_model(self) -> None:
+        self.close()
+        return None
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+
+class HybridProposer(Proposer):
+    """n-gram first; where it has no usable match, the draft model proposes."""
+
+    name = "hybrid"
+    uses_draft_model = True
+
+    def __init__(self, ngram: NgramProposer, draft: DraftProposer):
+        self.ngram, self.draft = ngram, draft
+
+    def begin(self, history, document=None, sampling=None, seed: int = 0) -> None:
+        self.ngram.begin(history, document, sampling, seed)
+        self.draft.begin(history, document, sampling, seed)
+
+    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
+        p = self.ngram.propose(policy, room)
+        if p.tokens:
+            return p
+        d = self.draft.propose(policy, room)
+        return d if d.tokens else p
+
+    def accept(self, tokens) -> None:
+        self.ngram.accept(tokens)
+        self.draft.accept(tokens)
+
+    def draft_cost(self, target: CostCurve, progress=None) -> float:
+        return self.draft.draft_cost(target, progress)
+
+    def without_draft_model(self) -> NgramProposer:
+        self.draft.close()
+        return self.ngram
+
+    def close(self) -> None:
+        self.ngram.close()
+        self.draft.close()
