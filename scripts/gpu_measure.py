@@ -24,7 +24,8 @@ from step_overhead import ScriptedProposer      # this folder is sys.path[0]
 from localspec.policy.calibrate import measure
 from localspec.spec.engine import Engine, EngineConfig
 from localspec.llama import Context, ContextParams, Model, ModelParams, system_info
-from localspec.policy.draft_estimate import DraftPolicy, PolicyConfig
+from localspec.policy.config import PolicyConfig
+from localspec.policy.draft_estimate import DraftPolicy
 from localspec.spec.sampling import SamplingParams, top2_gap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -39,8 +40,8 @@ def curve(path: str, layers: int, k_max: int, threads) -> dict:
         c = measure(ctx, k_max)
     picks = {}
     for cap in sorted({16, k_max}):
-        picks[cap] = {a: DraftPolicy(c.ratios, PolicyConfig(k_max=cap, prior_acceptance=a,
-                                                            prior_weight=1e9)).choose_k("x")
+        picks[cap] = {a: DraftPolicy(c.ratios, PolicyConfig(k_max=cap, draft_prior=a,
+                                                            draft_prior_weight=1e9)).choose_k("x")
                       for a in ACCEPTANCE}
     return {"model": Path(path).name, "ms_per_step": round(c.ms_per_step, 3),
             "ratios": list(c.ratios), "policy_k": picks}

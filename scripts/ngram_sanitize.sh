@@ -40,7 +40,7 @@ echo "== 2/2: tests/test_ngram.py on the sanitized cffi module" >&2
 mkdir "$work/pkg"
 cp -r localspec csrc "$work/pkg/"   # a copy: the build leaves objects next to the sources
 rm -f "$work"/pkg/localspec/_ngram_c*.so "$work"/pkg/csrc/*.o
-build="import sys; sys.path.insert(0, 'localspec'); import _ngram_build as b
+build="import sys; sys.path.insert(0, 'csrc'); import ngram_build as b
 b.ffibuilder.compile(tmpdir='.')"
 (cd "$work/pkg" && CFLAGS="${flags[*]}" LDFLAGS="${flags[*]}" "$python" -c "$build" \
     >"$work/build.log" 2>&1) || { cat "$work/build.log" >&2; exit 1; }

@@ -10,7 +10,7 @@ model needs, fit its prior, and replay policies offline against any cost curve.
     python scripts/policy_replay.py fit out.json [more.json ...] [--folds 2]
 
 Greedy speculation emits plain decoding's tokens, so every step can be scored without the model
-(localspec/replay.py says how). `replay` prints, per kind, each policy's speedup over plain in
+(tools/replay.py says how). `replay` prints, per kind, each policy's speedup over plain in
 decode-time units (geometric mean, worst case), the future-knowing bound, the fraction of it each
 policy takes, and how often a policy drafted in cases whose bound is under 1.05x.
 `--curve` is what steps really cost: by default this machine's newest `localspec calibrate`
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections import defaultdict
@@ -40,13 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 
 from tools import replay as rp
 from localspec.policy.acceptance import FEATURES, AcceptanceConfig
-from localspec.policy.adaptive import AdaptiveConfig, AdaptivePolicy, GuardConfig
+from localspec.policy.adaptive import AdaptivePolicy
 from localspec.policy.costmodel import CostConfig, CostModel
 from localspec.errors import LocalspecError
-from localspec.policy.draft_estimate import DraftPolicy, PolicyConfig
+from localspec.policy.config import GuardConfig, PolicyConfig
+from localspec.policy.draft_estimate import DraftPolicy
 from replay_watch import Calibrated, Shortfall, print_calibration, print_shortfall
 
-CURVES = {  # DESIGN.md "The cost model"; Qwen2.5-Coder-1.5B Q4_K_M, 2 threads
+CURVES = {  # docs/design.md, the cost model; Qwen2.5-Coder-1.5B Q4_K_M, 2 threads
     "epyc": rp.extend_curve([1, 1.48, 1.96, 2.22, 2.68], 16, {8: 5.9, 16: 8.4}),
     "xeon": rp.extend_curve([1, 1.55, 1.75, 1.75, 2.2], 16, {8: 3.0, 16: 3.9}),
 }
@@ -77,7 +79,7 @@ def parse_curve(text, data, threads=2):
 
 def parse_variants(texts) -> dict:
     """--variant NAME:key=value,... -> {NAME: {key: value}}: the adaptive policy ("new") with
-    settings changed, e.g. `tight:min_gain=1.2,guard.threshold=1.0`. Keys: AdaptiveConfig's
+    settings changed, e.g. `tight:min_gain=1.2,guard.threshold=1.0`. Keys: PolicyConfig's
     fields, guard.<GuardConfig field>, acceptance.<AcceptanceConfig field but weights>,
     cost.<CostConfig field>; values are numbers (inf allowed) or true/false."""
     out = {}
@@ -102,7 +104,7 @@ def _fields(cls, prefix="", skip=()):
             if f.name not in skip and f.default is not dataclasses.MISSING}
 
 
-SETTABLE = {**_fields(AdaptiveConfig, skip=("fixed_k",)), **_fields(GuardConfig, "guard."),
+SETTABLE = {**_fields(PolicyConfig, skip=("fixed_k",)), **_fields(GuardConfig, "guard."),
             **_fields(AcceptanceConfig, "acceptance.", skip=("weights",)),
             **_fields(CostConfig, "cost.")}
 
@@ -121,13 +123,13 @@ def _setting(name, key, value):
 
 
 def _variant(settings, acc):
-    """AdaptiveConfig and CostConfig of the adaptive policy with `settings` applied."""
+    """PolicyConfig and CostConfig of the adaptive policy with `settings` applied."""
     groups = defaultdict(dict)
     for key, value in settings.items():
         group, _, field = key.rpartition(".")
         groups[group][field] = value
     config = dataclasses.replace(
-        AdaptiveConfig(acceptance=dataclasses.replace(acc, **groups["acceptance"]),
+        PolicyConfig(acceptance=dataclasses.replace(acc, **groups["acceptance"]),
                        guard=GuardConfig(**groups["guard"])), **groups[""])
     return config, CostConfig(**groups["cost"])
 
@@ -153,18 +155,18 @@ def make_policies(names, prior, weights=None, variants=None, refit=None):
     makers = {
         "old": lambda: DraftPolicy(prior, PolicyConfig()),
         "new": lambda: AdaptivePolicy(CostModel(prior, rp.BASE_MS, CostConfig()),
-                                      AdaptiveConfig(acceptance=acc)),
+                                      PolicyConfig(acceptance=acc)),
         "new-fixed-cost": lambda: AdaptivePolicy(
-            CostModel(prior, rp.BASE_MS, CostConfig(online=False)), AdaptiveConfig(acceptance=acc)),
+            CostModel(prior, rp.BASE_MS, CostConfig(online=False)), PolicyConfig(acceptance=acc)),
         # the adaptive policy before the loss budget and min_gain 1.1 (2026-11-24)
         "unbudgeted": lambda: AdaptivePolicy(
             CostModel(prior, rp.BASE_MS, CostConfig()),
-            AdaptiveConfig(acceptance=acc).unbudgeted()),
+            dataclasses.replace(PolicyConfig(acceptance=acc), min_gain=1.0, loss_budget=math.inf)),
     }
     if refit is not None:
         makers["refit"] = lambda: AdaptivePolicy(
             CostModel(prior, rp.BASE_MS, CostConfig()),
-            AdaptiveConfig(acceptance=AcceptanceConfig(weights=tuple(refit))))
+            PolicyConfig(acceptance=AcceptanceConfig(weights=tuple(refit))))
     for name, settings in (variants or {}).items():
         config, cost = _variant(settings, acc)
         makers[name] = (lambda config=config, cost=cost:
@@ -352,7 +354,7 @@ def main() -> None:
     rep.add_argument("--variant", action="append", metavar="NAME:key=value,...",
                      help="also replay the adaptive policy with settings changed, e.g. "
                           "tight:min_gain=1.2,loss_budget=0.6,guard.threshold=1.0 (repeatable; "
-                          "keys: AdaptiveConfig fields, guard.*, acceptance.*, cost.*)")
+                          "keys: PolicyConfig fields, guard.*, acceptance.*, cost.*)")
     rep.add_argument("--calibration", action="store_true",
                      help="after the table: per policy, kind and k, the gain its drafting steps "
                           "were predicted to make against the gain they made")

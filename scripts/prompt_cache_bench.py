@@ -32,7 +32,8 @@ clock = time.perf_counter
 
 def prompt_tokens(model: Model, n: int) -> list:
     """n tokens of real code (this repository's sources), so the text is not degenerate."""
-    text = "".join(p.read_text() for p in sorted(Path(__file__).parents[1].glob("localspec/*.py")))
+    sources = sorted(Path(__file__).parents[1].glob("localspec/**/*.py"))
+    text = "".join(p.read_text() for p in sources)
     tokens = model.tokenize(text)
     if len(tokens) < n:
         raise SystemExit(f"only {len(tokens)} tokens of source text; ask for fewer")

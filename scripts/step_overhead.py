@@ -48,8 +48,9 @@ import localspec.spec.engine
 from localspec.llama import backend as llama   # its `C`, patched below to time calls
 from localspec.spec.engine import Engine, EngineConfig
 from tools.fastpath import greedy_step, greedy_verify
-from localspec.policy.draft_estimate import PolicyConfig
-from localspec.spec.proposers import EMPTY, Proposal, Proposer
+from localspec.policy.config import PolicyConfig
+from localspec.policy.acceptance import Offer
+from localspec.spec.proposers import Proposal, Proposer
 from localspec.spec.sampling import PositionStream, SamplingParams, target_dist
 from localspec.spec.step import near_tie
 from localspec.spec.verify import verify
@@ -75,11 +76,12 @@ class ScriptedProposer(Proposer):
     def begin(self, history, document=None, sampling=None, seed: int = 0) -> None:
         self.pos = 0
 
-    def propose(self, policy, room: int) -> Proposal:
-        k = policy.choose_k("scripted", available=room)
+    def offers(self, limit: int) -> list:
+        limit = min(limit, len(self.reference) - self.pos)
+        return [Offer("scripted", limit)] if limit > 0 else []
+
+    def draft(self, offer: Offer, k: int) -> Proposal:
         drafts = self.reference[self.pos:self.pos + k]
-        if not drafts:
-            return EMPTY
         if self.mode == "reject":
             drafts = [(drafts[0] + 1) % self.n_vocab] + drafts[1:]
         return Proposal(list(drafts), None, "scripted")

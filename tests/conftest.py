@@ -10,9 +10,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
 
-# ggml reads this once per process, at the first decode: turn the tiled K-quant matmul off for the
-# whole session so tests of the --exact mode can run in-process (it is the mode's requirement).
-os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+# The suite runs on the default kernels, as users do. Only a process that asked for --exact's
+# libraries (tests/test_exact_libs.py starts one, LOCALSPEC_EXACT=1, to run the bit-for-bit tests)
+# turns the tiled K-quant matmul off, before its first decode: ggml reads that switch once.
+if os.environ.get("LOCALSPEC_EXACT") == "1":
+    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 from tinymodel import make_tiny_gguf
 

@@ -5,14 +5,13 @@ No timing is asserted: a benchmark prints numbers, it does not test them."""
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from localspec.policy.adaptive import AdaptiveConfig
+from localspec.policy.config import PolicyConfig
 from localspec.bench import (DEFAULT_WORKLOADS, Bench, BenchSettings, Case, Row, first_difference,
                              geomean, load_workloads, parse_modes, read_source, summarize)
 from localspec.bench import format_rows, format_summary
@@ -95,11 +94,9 @@ def test_parse_modes_puts_plain_first_and_reads_fixed_k():
     assert [m.proposer for m in modes] == ["none", "ngram", "peer", "ngram"]
     assert [(m.proposer, m.fixed_k) for m in parse_modes("draft,hybrid-k2")] == \
         [("draft", None), ("hybrid", 2)]
-    unbudgeted = parse_modes("plain,ngram-unbudgeted")[1]
-    assert (unbudgeted.proposer, unbudgeted.fixed_k, unbudgeted.policy.unbudgeted) == \
-        ("ngram", None, True)
-    assert not parse_modes("ngram")[0].policy.unbudgeted
-    for bad in ("fast", "plain-k2", "ngram-kx", "", "draft-unbudgeted"):
+    assert parse_modes("ngram-k16")[0].policy.fixed_k == 16
+    assert parse_modes("peer-k32")[0].fixed_k == 32      # llama-cpp-python's, not our cap
+    for bad in ("fast", "plain-k2", "ngram-kx", "", "ngram-unbudgeted", "ngram-k17"):
         with pytest.raises(LocalspecError):
             parse_modes(bad)
 
@@ -140,14 +137,12 @@ def test_bench_on_tiny_model_ngram_modes_match_plain(tiny_path, small_workloads)
     cases = load_workloads(small_workloads)
     lines = []
     settings = BenchSettings(str(tiny_path), max_tokens=16, n_ctx=2048)
-    modes = ("plain", "ngram", "ngram-k3", "ngram-unbudgeted", "peer")
+    modes = ("plain", "ngram", "ngram-k3", "peer")
     with Bench(parse_modes(",".join(modes)), settings, say=lines.append) as b:
         rows = b.run(cases)
-        policies = {m: b.engines[m]._policy(None).config for m in ("ngram", "ngram-unbudgeted")}
+        policy = b.engines["ngram"]._policy(None).config
     assert [(r.case, r.mode) for r in rows] == [(c.id, m) for c in cases for m in modes]
-    assert policies["ngram"].loss_budget == AdaptiveConfig().loss_budget
-    assert (policies["ngram-unbudgeted"].loss_budget, policies["ngram-unbudgeted"].min_gain) == \
-        (math.inf, 1.0)
+    assert policy == PolicyConfig()
     for r in rows:
         assert r.generated_tokens > 0 and r.ttft_ms > 0
         assert r.prompt_tokens == rows[0].prompt_tokens or r.case != rows[0].case

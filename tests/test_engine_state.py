@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from localspec.spec.engine import Engine, EngineConfig
 from localspec.errors import LocalspecError
 from localspec.llama import system_info
-from localspec.policy.draft_estimate import PolicyConfig
+from localspec.policy.config import PolicyConfig
 from localspec.spec.proposers import NgramProposer
 
 PROMPTS = ["The capital of France is", "abcabcabcabc", "def f(x):\n    return x\ndef f(x):\n",
@@ -39,11 +39,11 @@ class FlakyProposer(NgramProposer):
         super().begin(history, document, sampling, seed)
         self._calls = 0
 
-    def propose(self, policy, room):
+    def offers(self, limit):
         self._calls += 1
         if self.fail_at is not None and self._calls == self.fail_at:
             raise RuntimeError("proposer failed")
-        return super().propose(policy, room)
+        return super().offers(limit)
 
 
 def config(proposer: str, k) -> EngineConfig:

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from localspec.cli.http import is_loopback, model_names, parse_bind
+from localspec.apps.openai_api import model_names
+from localspec.cli.http import is_loopback, parse_bind
 from localspec.errors import LocalspecError
 from localspec.apps.openai_api import (ApiError, chunk, closing_chunks, full_response, parse_chat,
                                   parse_completion)
@@ -57,6 +58,8 @@ def test_defaults_are_the_cli_defaults_greedy_and_unbounded():
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, 400,
      "messages[0].tool_calls"),
     ({"messages": USER, "model": "other"}, 404, "model"),
+    ({"messages": USER, "localspec": {"k": 17}}, 400, "localspec.k"),      # over K_LIMIT
+    ({"messages": USER, "localspec": {"k": -1}}, 400, "localspec.k"),
     ({"messages": USER, "localspec": []}, 400, "localspec"),
 ])
 def test_bad_chat_requests(body, status, param):

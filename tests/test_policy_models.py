@@ -15,8 +15,10 @@ from localspec.policy import acceptance
 from localspec.policy import adaptive
 from localspec.policy import calibrate
 from localspec.policy import costmodel
-from localspec.policy.acceptance import AcceptanceModel, DraftFeatures, RequestState, expected_tokens
-from localspec.policy.adaptive import AdaptiveConfig, AdaptivePolicy, GuardConfig, RegretGuard
+from localspec.policy.acceptance import (AcceptanceModel, DraftFeatures, RequestState,
+                                         expected_tokens)
+from localspec.policy.adaptive import AdaptivePolicy, RegretGuard
+from localspec.policy.config import GuardConfig, PolicyConfig
 from localspec.policy.costmodel import CostConfig, CostModel, Stability, round_stability
 from localspec.policy.draft_estimate import CostCurve
 
@@ -184,7 +186,7 @@ def test_one_odd_step_does_not_rewrite_the_curve():
 
 def test_timings_showing_k3_costs_twice_the_cache_change_the_choice():
     f = DraftFeatures(list(range(3)), "history", 6, n_occ=2, agree=[2, 2, 2])
-    make = lambda cm: AdaptivePolicy(cm, AdaptiveConfig())
+    make = lambda cm: AdaptivePolicy(cm, PolicyConfig())
     trusting = make(CostModel(XEON, MS))
     trusting.start()
     trusting.state = RequestState(streak=10, recent=0.9, longest=10)
@@ -207,7 +209,7 @@ def test_choice_of_k_is_the_argmax_of_expected_tokens_over_cost():
     arrays (expected_by_k) among the k whose r(k) - 1 fits the loss budget, plain when the
     best is not above min_gain."""
     rng = np.random.default_rng(1)
-    config = AdaptiveConfig()
+    config = PolicyConfig()
     n_plain = n_bound = 0
     for curve in (EPYC, XEON):
         policy = AdaptivePolicy(CostModel(curve, MS, CostConfig(online=False)), config)
@@ -297,7 +299,7 @@ def stream_nothing_accepted(policy, f, steps):
 
 
 def test_regret_guard_turns_speculation_off_within_a_bounded_number_of_steps():
-    cfg = AdaptiveConfig(acceptance=acceptance.AcceptanceConfig(learn_rate=0.0),  # the guard
+    cfg = PolicyConfig(acceptance=acceptance.AcceptanceConfig(learn_rate=0.0),  # the guard
                          loss_budget=math.inf)                                  # alone
     policy = AdaptivePolicy(CostModel(XEON, MS), cfg)
     policy.start()
@@ -364,7 +366,7 @@ def test_regret_guard_compares_with_the_requests_own_plain_steps():
     cost = CostModel(EPYC, 50.0)
     for _ in range(200):
         cost.observe(0, 50.0)
-    policy = AdaptivePolicy(cost, AdaptiveConfig(acceptance=acceptance.AcceptanceConfig(
+    policy = AdaptivePolicy(cost, PolicyConfig(acceptance=acceptance.AcceptanceConfig(
         learn_rate=0.0)))
     policy.start()
     for _ in range(5):

@@ -13,10 +13,11 @@ import pytest
 
 from tools import replay as rp
 from localspec.policy.acceptance import PRIOR_WEIGHTS
-from localspec.policy.adaptive import AdaptiveConfig, AdaptivePolicy
+from localspec.policy.adaptive import AdaptivePolicy
 from localspec.policy.costmodel import CostModel
 from localspec.errors import LocalspecError
-from localspec.policy.draft_estimate import DraftPolicy, PolicyConfig
+from localspec.policy.config import PolicyConfig
+from localspec.policy.draft_estimate import DraftPolicy
 
 RECORDING = Path(__file__).resolve().parent / "data" / "policy_plain.json"
 XEON = rp.extend_curve([1, 1.55, 1.75, 1.75, 2.2], 16, {8: 3.0, 16: 3.9})
@@ -25,7 +26,7 @@ EPYC = rp.extend_curve([1, 1.48, 1.96, 2.22, 2.68], 16, {8: 5.9, 16: 8.4})
 
 def policies(curve):
     return {"old": lambda: DraftPolicy(curve, PolicyConfig()),
-            "new": lambda: AdaptivePolicy(CostModel(curve, rp.BASE_MS), AdaptiveConfig())}
+            "new": lambda: AdaptivePolicy(CostModel(curve, rp.BASE_MS), PolicyConfig())}
 
 
 def synthetic(prompt, out, margin=9.0):
@@ -165,7 +166,7 @@ def test_timing_noise_is_seeded_and_only_what_the_policy_is_told():
     assert len(set(round(r, 9) for r in ratios)) > len(ratios) // 2     # jittered...
     assert 0.9 < sorted(ratios)[len(ratios) // 2] < 1.1                 # ...around the truth
     # a policy whose choices ignore timings scores the same: steps are charged the true curve
-    fixed = lambda: AdaptivePolicy(CostModel(EPYC, rp.BASE_MS), AdaptiveConfig(fixed_k=3))
+    fixed = lambda: AdaptivePolicy(CostModel(EPYC, rp.BASE_MS), PolicyConfig(fixed_k=3))
     assert rp.replay_case(case, fixed, EPYC, timing_noise=0.3, seed=2) == \
         rp.replay_case(case, fixed, EPYC)
 
@@ -262,7 +263,7 @@ def test_shortfall_counts_the_matches_a_policy_left_undrafted():
     sums = defaultdict(lambda: [0, 0, 0.0, 0, 0.0])
 
     def make():
-        policy = AdaptivePolicy(CostModel(XEON, rp.BASE_MS), AdaptiveConfig(min_gain=99.0))
+        policy = AdaptivePolicy(CostModel(XEON, rp.BASE_MS), PolicyConfig(min_gain=99.0))
         return watch.Shortfall(policy, XEON, case, sums, ("never", "code-edit"))
     s = rp.replay_case(case, make, XEON)
     assert s.spec_steps == 0 and s.steps == len(case.out) - 1

@@ -203,6 +203,8 @@ def test_garbage_lines_get_errors_and_the_next_request_works(server):
     ({"prompt": "a", "speculate": 1}, "speculate"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "max_token": 5}, "max_token"),
+    ({"prompt": "a", "k": 17}, "k"),                   # over K_LIMIT: an error, never a cap
+    ({"prompt": "a", "k": 2.0}, "k"),
     ({"prompt": "\ud800"}, "prompt"),
 ])
 def test_bad_params_are_invalid_params_naming_the_field(server, params, field):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from localspec.spec.engine import Engine, EngineConfig
-from localspec.policy.draft_estimate import PolicyConfig
+from localspec.policy.config import PolicyConfig
+from localspec.policy.acceptance import Offer
 from localspec.spec.proposers import Proposal, Proposer
 from localspec.spec.sampling import PositionStream, SamplingParams
 from localspec.spec.step import step
@@ -186,8 +187,12 @@ class ScriptedProposer(Proposer):
     def begin(self, history, document=None, sampling=None, seed=0):
         self.history = list(history)
 
-    def propose(self, policy, room):
-        return drafted(self.script.get(len(self.history), []))
+    def offers(self, limit):
+        tokens = self.script.get(len(self.history), [])[:limit]
+        return [Offer("scripted", len(tokens))] if tokens else []
+
+    def draft(self, offer, k):
+        return drafted(self.script[len(self.history)][:k])
 
     def accept(self, tokens):
         self.history += tokens

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from localspec.llama.buildflags import choose, cuda_arch_of, exact_cmake_args
-from localspec.policy.draft_estimate import DraftPolicy, PolicyConfig, expected_tokens
+from localspec.policy.config import PolicyConfig
+from localspec.policy.draft_estimate import DraftPolicy, expected_tokens
 from localspec.spec.sampling import (Dist, PositionStream, SamplingParams, apply_penalty, draw,
                                 target_dist)
 from localspec.spec.stats import GenerationStats
@@ -79,7 +80,7 @@ def test_expected_tokens_formula():
 
 
 def test_policy_drafts_when_acceptance_is_high_and_switches_off_when_low():
-    cpu_curve = [1.0, 1.5, 1.8, 1.6, 2.4, 2.6, 2.5, 3.0, 3.0]   # shaped like DESIGN.md's CPU data
+    cpu_curve = [1.0, 1.5, 1.8, 1.6, 2.4, 2.6, 2.5, 3.0, 3.0]   # shaped like docs/design.md's CPU data
     pol = DraftPolicy(cpu_curve, PolicyConfig(k_max=8))
     for _ in range(30):
         pol.observe("history", 4, 4)
@@ -102,11 +103,14 @@ def test_ngram_proposer_keys_acceptance_by_match_length():
     prop = NgramProposer(ngram_min=1, ngram_max=4)
     try:
         prop.begin([5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 8])       # suffix 5 6 7 8 seen before: length 4
-        p = prop.propose(pol, room=10)
-        assert (p.key, p.source, p.tokens[:2]) == ("history:4", "history", [9, 1])
+        [offer] = prop.offers(4)
+        p = prop.draft(offer, pol.choose(offer))
+        assert (pol.key_for(offer.features), p.source, p.tokens[:2]) == \
+            ("history:4", "history", [9, 1])
         prop.begin([3, 4, 1, 2, 3])                          # only "3" repeats: length 1
-        p = prop.propose(pol, room=10)
-        assert (p.key, p.tokens, p.shadow) == ("history:1", [], 4)   # switched off, guess kept
+        [offer] = prop.offers(4)
+        assert (pol.key_for(offer.features), pol.choose(offer)) == ("history:1", 0)  # off
+        assert list(offer.features.tokens[:1]) == [4]        # the guess a plain step scores
     finally:
         prop.close()
 
@@ -175,3 +179,35 @@ def test_build_flags_cuda_builds_for_the_gpu_it_finds():
     assert not any("CUDA" in a for a in choose("Linux", "x86_64", "", True, True, "0", "90")[0])
     assert cuda_arch_of("9.0\n9.0\n") == "90" and cuda_arch_of("8.9\n8.6") == "86;89"
     assert cuda_arch_of("") == "" and cuda_arch_of("[N/A]") == ""
+
+
+def test_one_policy_config_checks_the_draft_length():
+    """PolicyConfig is the one place k_max and fixed_k live; K_LIMIT bounds both."""
+    from localspec.policy.config import K_LIMIT
+
+    assert PolicyConfig().k_max == K_LIMIT
+    for bad in (dict(k_max=K_LIMIT + 1), dict(k_max=0), dict(fixed_k=K_LIMIT + 1),
+                dict(k_max=4, fixed_k=5), dict(fixed_k=-1)):
+        with pytest.raises(ValueError):
+            PolicyConfig(**bad)
+
+
+def test_the_draft_length_goes_one_way_offer_choose_draft():
+    """The proposer offers what it found, the policy chooses k, the proposer drafts that many;
+    a draft model's offer (no features) is chosen by its scalar estimate."""
+    from localspec.policy.acceptance import Offer
+    from localspec.spec.proposers import NgramProposer
+
+    pol = DraftPolicy([1.0] * 9, PolicyConfig(k_max=8, fixed_k=3))
+    prop = NgramProposer(ngram_min=1, ngram_max=4)
+    try:
+        prop.begin([1, 2, 3, 4, 5, 6, 1, 2, 3])
+        [offer] = prop.offers(8)
+        assert (offer.source, offer.limit) == ("history", 6)
+        assert list(offer.features.tokens) == [4, 5, 6, 1, 2, 3]
+        k = pol.choose(offer)
+        assert k == 3 and prop.draft(offer, k).tokens == [4, 5, 6]
+        assert prop.offers(2)[0].limit == 2                  # the limit reaches the matcher
+    finally:
+        prop.close()
+    assert pol.choose(Offer("draft", 2)) == 2                # fixed_k 3, but only 2 on offer

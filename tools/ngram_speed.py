@@ -18,7 +18,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from localspec.spec.ngram import TIE_EARLIEST, TIE_RECENT, NgramIndex
 
 N_PRED = 10                   # num_pred_tokens / k
-DECODE_MS_1P5B = 76.0         # one-token decode, Qwen2.5-Coder-1.5B Q4_K_M, 2-vCPU Xeon (DESIGN.md)
+DECODE_MS_1P5B = 76.0         # one-token decode, Qwen2.5-Coder-1.5B Q4_K_M, 2-vCPU Xeon (docs/design.md)
 
 
 def prompt_lookup_numpy(history: np.ndarray, max_ngram_size: int = 2,

@@ -161,15 +161,15 @@ def replay_case(case: Recorded, make_policy: Callable, curve: Sequence[float], *
         policy.start()
         t, recheck = 1, False
         while t < n:
-            proposal = None if recheck else prop.propose(policy, min(k_max, n - t))
-            f = proposal.features if proposal is not None else None
-            drafts = proposal.tokens if proposal is not None else []
+            # the engine's way: the proposer offers, the policy chooses k, k tokens are drafted
+            f = None if recheck else prop.features(min(k_max, n - t, policy.config.k_max))
+            drafts = list(f.tokens[:policy.choose_draft(f)]) if f is not None else []
             k = len(drafts)
             n_acc = run_length(drafts, out, t)
+            step_cost = curve[k] + propose_cost   # rechecks too: a conservative charge
             step = _tie_cut(case.margin, t, n_acc, k, tie_margin)
             recheck = step is not None and step <= n_acc
             emitted = out[t:t + (step if recheck else n_acc + 1)]
-            step_cost = curve[k] + (0.0 if recheck and proposal is None else propose_cost)
             policy.observe_step(f, k, n_acc, emitted, verify_ms=told(curve[k] * BASE_MS),
                                 propose_ms=propose_cost * BASE_MS)
             if trace is not None:
@@ -226,7 +226,7 @@ def bound_case(case: Recorded, curve: Sequence[float], *, tie_margin: float = 0.
     prop = _proposer(case, ngram_max, tie)
     try:
         for t in range(1, n):
-            f = prop.features(min(k_max, n - t), k_max)
+            f = prop.features(min(k_max, n - t))
             if f is not None:
                 runs[t], avail[t] = run_length(f.tokens, out, t), len(f.tokens)
             prop.accept(out[t:t + 1])
@@ -239,32 +239,6 @@ def bound_case(case: Recorded, curve: Sequence[float], *, tie_margin: float = 0.
             step = min(curve[j:avail[t] + 1])
             best[t] = min(best[t], step + best[t + j + 1])
     return (n - 1) / best[1] if n > 1 and best[1] else 1.0
-
-
-def greedy_bound_case(case: Recorded, curve: Sequence[float], *, tie_margin: float = 0.25,
-                      ngram_max: int = 8, tie: str = "earliest", k_max: int = 16) -> float:
-    """The future-knowing policy of the first replay tool (issue 11's numbers): draft exactly
-    the matching run (cut before a near-tie row) when (run + 1) / r(run) beats a plain step.
-    Not a true bound (the dynamic programme of bound_case is at least as good); printed so
-    numbers stay comparable with earlier reports."""
-    out, n = case.out, len(case.out)
-    prop = _proposer(case, ngram_max, tie)
-    cost, t = 0.0, 1
-    try:
-        while t < n:
-            f = prop.features(min(k_max, n - t), k_max)
-            run = run_length(f.tokens, out, t) if f is not None else 0
-            j = 0
-            while j < min(run, n - t - 1) and tie_margin <= 0 or (
-                    j < min(run, n - t - 1) and min(case.margin[t + j], case.margin[t + j + 1])
-                    >= tie_margin):
-                j += 1
-            k = j if j and (j + 1) / curve[j] > 1.0 else 0
-            prop.accept(out[t:t + k + 1])
-            t, cost = t + k + 1, cost + curve[k]
-    finally:
-        prop.close()
-    return (n - 1) / cost if cost else 1.0
 
 
 def geomean(xs: Sequence[float]) -> float:
@@ -286,7 +260,7 @@ def training_rows(case: Recorded, ngram_max: int = 8, tie: str = "earliest", k_m
     try:
         state = RequestState()
         for t in range(1, n):
-            f = prop.features(min(k_max, n - t), k_max)
+            f = prop.features(min(k_max, n - t))
             if f is not None:
                 run = run_length(f.tokens, out, t)
                 m = min(run + 1, len(f.tokens))

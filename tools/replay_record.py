@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+
+from localspec.llama.buildflags import cpu_model, read_cpuinfo
 
 RECORDING_VERSION = 2
 
@@ -67,7 +68,7 @@ def record(path: str, threads: int = 2, exact: bool = False, cases: Optional[lis
     from localspec.spec.engine import Engine, EngineConfig
 
     data = {"version": RECORDING_VERSION, "threads": threads, "exact": exact,
-            "cpu": _cpu_name(), "cases": {}}
+            "cpu": cpu_model(read_cpuinfo()), "cases": {}}
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
@@ -125,12 +126,3 @@ def _save(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

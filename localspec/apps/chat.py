@@ -1,7 +1,7 @@
 """A chat session and its command loop: history, system prompt, trimming to fit the context, stats.
 
 No terminal here: ChatSession is driven by method calls, ChatLoop by a line-reading callable and two
-text streams, so both are tested directly. Terminal specifics (readline, `> `) live in cli_chat.py.
+text streams, so both are tested directly. Terminal specifics (readline, `> `) live in cli/chat.py.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 from typing import Optional
 
-from ..llama.buildflags import cpu_flags
+from ..llama.buildflags import cpu_flags, read_cpuinfo
 from ..catalog.models import resolve_model
 from ..spec.compat import check_pair
 from ..llama.libs import exact_lib_status
@@ -15,10 +14,7 @@ from ..llama import (Model, build_has_amx, default_threads, library_account, sup
 
 
 def device_lines() -> list:
-    try:
-        flags = cpu_flags(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        flags = set()
+    flags = cpu_flags(read_cpuinfo())
     amx_cpu = any(f.startswith("amx") for f in flags)
     if build_has_amx():
         amx = "this build has AMX kernels: models load without repacked weights (slower, no crash)"

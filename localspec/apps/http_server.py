@@ -26,8 +26,9 @@ from starlette.routing import Route
 
 from ..spec.engine import Engine
 from ..errors import LocalspecError
-from .openai_api import (ApiError, GenRequest, chunk, closing_chunks, full_response, model_card,
-                         models_list, parse_chat, parse_completion)
+from .checks import model_info, no_constants, speculation_info
+from .openai_api import (ApiError, GenRequest, HttpSettings, chunk, closing_chunks, full_response,
+                         model_card, model_names, models_list, parse_chat, parse_completion)
 from ..spec.stats import GenerationStats
 
 DRAIN_LIMIT = 64 << 20     # bytes of an oversized body read and dropped before the 413
@@ -161,10 +162,6 @@ def internal_error(e: Exception) -> ApiError:
 
 
 # -- the HTTP side --------------------------------------------------------------------------------
-def _no_constants(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
@@ -251,7 +248,7 @@ class Service:
         if not data.strip():
             raise ApiError(400, "the request body is empty: send a JSON object", code="invalid_json")
         try:
-            return json.loads(bytes(data), parse_constant=_no_constants)
+            return json.loads(bytes(data), parse_constant=no_constants)
         except (ValueError, RecursionError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}",
                            code="invalid_json") from None
@@ -358,3 +355,45 @@ def build_app(service: Service) -> Starlette:
         ]
     return Starlette(routes=routes, exception_handlers={
         ApiError: _api_error, HTTPException: _http_error, Exception: _crash})
+
+
+def serve_http(engine: Engine, sock, settings: HttpSettings, say=print) -> None:
+    """Serve `engine` on the listening socket until Ctrl-C/SIGTERM (which cancel running work),
+    then keep the live prompt state for the next start."""
+    import uvicorn
+
+    engine.prepare()      # calibrate now, not inside the first request
+    worker = Worker(engine, settings.max_queue)
+    service = Service(worker, model_names(settings.model_arg, engine.model.path),
+                      {**model_info(engine), **speculation_info(engine)}, settings.api_key,
+                      settings.max_body)
+    config = uvicorn.Config(build_app(service), log_level="warning", access_log=False,
+                            lifespan="off", http="h11", ws="none", loop="asyncio",
+                            timeout_graceful_shutdown=5)
+    server = _server_class(uvicorn)(config, on_exit=worker.cancel_all)
+    host, bound = settings.host, sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    say(f"localspec: serving {service.names[0]} at http://{shown}:{bound}/v1 "
+        "(OpenAI-compatible; Ctrl-C stops)")
+    worker.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.stop()
+        engine.keep_live_state()
+
+
+def _server_class(uvicorn):
+    class _Server(uvicorn.Server):
+        """uvicorn's server, which on Ctrl-C/SIGTERM first cancels every generation, so open
+        streams end within one step instead of holding the graceful shutdown open."""
+
+        def __init__(self, config, on_exit):
+            super().__init__(config)
+            self._on_exit = on_exit
+
+        def handle_exit(self, sig, frame):
+            self._on_exit()
+            super().handle_exit(sig, frame)
+
+    return _Server

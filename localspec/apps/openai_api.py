@@ -4,12 +4,12 @@ generation results -> response and stream-chunk bodies, and OpenAI-shaped errors
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 from ..spec.sampling import SamplingParams
 from ..spec.stats import GenerationStats
+from .checks import Checks
 
 # Accepted and ignored: they change nothing a local single-model server could honour.
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -32,6 +32,30 @@ COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream
 EXTENSION = ("document", "speculate", "k")      # inside "localspec": {...}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16
+
+
+DEFAULT_MAX_BODY = 8 << 20   # bytes: a request carrying a whole source file as its document fits
+DEFAULT_QUEUE = 16           # requests waiting behind the running one
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """What `serve --http` was told besides the engine's settings (checked where the command
+    line enters; docs/http.md)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key: Optional[str] = None        # require "Authorization: Bearer KEY" (None: open)
+    max_body: int = DEFAULT_MAX_BODY     # bytes; larger request bodies are a 413
+    max_queue: int = DEFAULT_QUEUE       # requests waiting behind the running one; more: 503
+    model_arg: str = "default"           # how the model was named: the id clients send
+
+
+def model_names(arg: str, path) -> list:
+    """The id clients send as `model` (first), then the other spellings accepted for it."""
+    looks_like_path = arg.endswith(".gguf") or "/" in arg or "\\" in arg
+    first = path.stem if looks_like_path else arg
+    return list(dict.fromkeys([first, arg, path.name, path.stem]))
 
 
 class ApiError(Exception):
@@ -73,38 +97,7 @@ class GenRequest:
 
 
 # -- field checks ---------------------------------------------------------------------------------
-def _text(value, param: str) -> str:
-    if not isinstance(value, str):
-        raise bad(param, f"'{param}' must be a string")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad(param, f"'{param}' contains an unpaired surrogate (not valid Unicode)") from None
-    return value
-
-
-def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_open=False):
-    value = body.get(name)
-    if value is None:
-        return default
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or \
-            (isinstance(value, float) and not math.isfinite(value)):
-        raise bad(name, f"'{name}' must be {'an integer' if integer else 'a number'}")
-    if (lo is not None and (value <= lo if lo_open else value < lo)) or \
-            (hi is not None and value > hi):
-        rng = f"{'above' if lo_open else 'at least'} {lo}" if hi is None else f"between {lo} and {hi}"
-        raise bad(name, f"'{name}' must be {rng}, got {value}")
-    return value
-
-
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(name, f"'{name}' must be true or false")
-    return value
+CHECK = Checks(bad, null_is_absent=True)
 
 
 def _check_names(body: dict, allowed: Sequence[str], where: str = "") -> None:
@@ -136,7 +129,8 @@ def _stop(value) -> tuple:
         raise bad("stop", "'stop' must be a string or a list of strings")
     if len(stops) > MAX_STOPS:
         raise bad("stop", f"'stop' takes at most {MAX_STOPS} strings")
-    out = tuple(_text(s, f"stop[{i}]" if stops is value else "stop") for i, s in enumerate(stops))
+    out = tuple(CHECK.text(s, f"stop[{i}]" if stops is value else "stop")
+                for i, s in enumerate(stops))
     if any(s == "" for s in out):
         raise bad("stop", "'stop' strings must not be empty")
     return out
@@ -156,15 +150,11 @@ def check_model(body: dict, names: Sequence[str]) -> None:
 
 
 def _common(body: dict, kind: str, prompt, max_tokens_names: Sequence[str]) -> GenRequest:
-    d = SamplingParams()
-    limits = [_number(body, n, None, 1, integer=True) for n in max_tokens_names]
+    limits = [CHECK.number(body, n, None, 1, integer=True) for n in max_tokens_names]
     limits = [m for m in limits if m is not None]
     if len(set(limits)) > 1:
         raise bad(max_tokens_names[0], "'max_tokens' and 'max_completion_tokens' disagree")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad("seed", "'seed' must be an integer")
-    stream = _flag(body, "stream", False)
+    stream = CHECK.flag(body, "stream", False)
     options = body.get("stream_options")
     if options is not None:
         if not stream:
@@ -181,18 +171,12 @@ def _common(body: dict, kind: str, prompt, max_tokens_names: Sequence[str]) -> G
     document = ext.get("localspec.document")
     return GenRequest(
         kind=kind, prompt=prompt,
-        sampling=SamplingParams(
-            temperature=_number(body, "temperature", d.temperature, 0.0, 2.0),
-            top_p=_number(body, "top_p", d.top_p, 0.0, 1.0),
-            top_k=_number(body, "top_k", d.top_k, 0, integer=True),
-            min_p=_number(body, "min_p", d.min_p, 0.0, 1.0),
-            repeat_penalty=_number(body, "repeat_penalty", d.repeat_penalty, 0.0, lo_open=True),
-            seed=seed),
+        sampling=CHECK.sampling(body, temperature_max=2.0),
         max_tokens=limits[0] if limits else None, stop=_stop(body.get("stop")), stream=stream,
-        include_usage=_flag(options or {}, "include_usage", False),
-        document=None if document is None else _text(document, "localspec.document"),
-        speculate=_flag(ext, "localspec.speculate", True),
-        fixed_k=_number(ext, "localspec.k", None, 0, 32, integer=True))
+        include_usage=CHECK.flag(options or {}, "include_usage", False),
+        document=None if document is None else CHECK.text(document, "localspec.document"),
+        speculate=CHECK.flag(ext, "localspec.speculate", True),
+        fixed_k=CHECK.draft_length(ext, "localspec.k"))
 
 
 def _object(body) -> dict:
@@ -205,7 +189,7 @@ def _object(body) -> dict:
 def _content(content, param: str) -> str:
     """A message's content: a string, or a list of text parts (what newer clients send)."""
     if isinstance(content, str):
-        return _text(content, param)
+        return CHECK.text(content, param)
     if not isinstance(content, list):
         raise bad(param, f"'{param}' must be a string or a list of text parts")
     texts = []
@@ -214,7 +198,7 @@ def _content(content, param: str) -> str:
         if not isinstance(part, dict) or part.get("type") != "text":
             raise bad(where, f"'{where}': only text parts are supported "
                              "({\"type\": \"text\", \"text\": ...})")
-        texts.append(_text(part.get("text"), f"{where}.text"))
+        texts.append(CHECK.text(part.get("text"), f"{where}.text"))
     return "".join(texts)
 
 
@@ -279,7 +263,7 @@ def _prompt(prompt, n_vocab: int):
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                  # a batch of one
     if isinstance(prompt, str):
-        return _text(prompt, "prompt")
+        return CHECK.text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < n_vocab for t in prompt):

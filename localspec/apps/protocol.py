@@ -9,7 +9,6 @@ request at a time. docs/protocol.md is the specification; examples/editor_client
 from __future__ import annotations
 
 import json
-import math
 import queue
 import sys
 import threading
@@ -22,6 +21,7 @@ from ..errors import LocalspecError
 from ..files import internal_error_line
 from ..spec.sampling import SamplingParams
 from ..spec.stats import GenerationStats
+from .checks import Checks, model_info, no_constants, speculation_info
 
 PROTOCOL_VERSION = 1
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
@@ -31,7 +31,6 @@ DEFAULT_MAX_TOKENS = 256
 METHODS = ("initialize", "generate", "cancel", "shutdown")
 GENERATE_PARAMS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                    "repeat_penalty", "seed", "stop", "document", "speculate", "stream", "k")
-PROPOSERS = {"none": [], "hybrid": ["ngram", "draft"]}   # --proposer -> what drafts tokens
 NOTE = object()                    # the "id" of a notification: it never gets a response
 DEFERRED = object()                # a handler's result: the worker responds later
 
@@ -82,40 +81,7 @@ class Stop:
 
 
 # -- params --------------------------------------------------------------------------------------
-def _number(params: dict, name: str, default, lo, hi=None, integer=False, lo_open=False):
-    """params[name] checked as a number in range, or `default` when absent.
-
-    Example: _number({"top_p": 2}, "top_p", 0.95, 0.0, 1.0) raises "'top_p' must be between 0.0
-    and 1.0, got 2".
-    """
-    if name not in params:
-        return default
-    v = params[name]
-    kind = "an integer" if integer else "a number"
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) \
-            or not math.isfinite(v):
-        raise RpcError(INVALID_PARAMS, f"'{name}' must be {kind}, got {json.dumps(v)}")
-    if v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
-        need = f"between {lo} and {hi}" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
-        raise RpcError(INVALID_PARAMS, f"'{name}' must be {need}, got {v}")
-    return v
-
-
-def _text(v, name: str) -> str:
-    if not isinstance(v, str):
-        raise RpcError(INVALID_PARAMS, f"'{name}' must be a string")
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:   # a lone surrogate escape such as "\ud800"
-        raise RpcError(INVALID_PARAMS, f"'{name}' is not valid Unicode text") from None
-    return v
-
-
-def _flag(params: dict, name: str, default: bool) -> bool:
-    v = params.get(name, default)
-    if not isinstance(v, bool):
-        raise RpcError(INVALID_PARAMS, f"'{name}' must be true or false")
-    return v
+CHECK = Checks(lambda field, message: RpcError(INVALID_PARAMS, message))
 
 
 def _prompt(params: dict) -> Prompt:
@@ -123,12 +89,12 @@ def _prompt(params: dict) -> Prompt:
         raise RpcError(INVALID_PARAMS, "give exactly one of 'prompt' (a string) or 'messages' "
                                        "(a list of {role, content})")
     if "prompt" in params:
-        return _text(params["prompt"], "prompt")
+        return CHECK.text(params["prompt"], "prompt")
     msgs = params["messages"]
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
         raise RpcError(INVALID_PARAMS, "'messages' must be a non-empty list of {role, content}")
-    return [{"role": _text(m.get("role"), f"messages[{i}].role"),
-             "content": _text(m.get("content"), f"messages[{i}].content")}
+    return [{"role": CHECK.text(m.get("role"), f"messages[{i}].role"),
+             "content": CHECK.text(m.get("content"), f"messages[{i}].content")}
             for i, m in enumerate(msgs)]
 
 
@@ -140,32 +106,17 @@ def parse_generate(rid: RequestId, params) -> Job:
     if unknown:
         raise RpcError(INVALID_PARAMS, f"unknown parameter '{unknown[0]}' (generate accepts: "
                                        f"{', '.join(GENERATE_PARAMS)})")
-    prompt, d = _prompt(params), SamplingParams()
-    seed = params.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RpcError(INVALID_PARAMS, "'seed' must be an integer or null")
-    sampling = SamplingParams(
-        temperature=_number(params, "temperature", d.temperature, 0.0),
-        top_k=_number(params, "top_k", d.top_k, 0, integer=True),
-        top_p=_number(params, "top_p", d.top_p, 0.0, 1.0),
-        min_p=_number(params, "min_p", d.min_p, 0.0, 1.0),
-        repeat_penalty=_number(params, "repeat_penalty", d.repeat_penalty, 0.0, lo_open=True),
-        seed=seed)
+    prompt, sampling = _prompt(params), CHECK.sampling(params)
     stop = params.get("stop", [])
     if not isinstance(stop, list):
         raise RpcError(INVALID_PARAMS, "'stop' must be a list of strings")
-    stop = [_text(s, f"stop[{i}]") for i, s in enumerate(stop)]
+    stop = [CHECK.text(s, f"stop[{i}]") for i, s in enumerate(stop)]
     document = params.get("document")
     return Job(rid, prompt, sampling,
-               max_tokens=_number(params, "max_tokens", DEFAULT_MAX_TOKENS, 1, integer=True),
-               stop=stop, document=None if document is None else _text(document, "document"),
-               speculate=_flag(params, "speculate", True), stream=_flag(params, "stream", True),
-               fixed_k=None if params.get("k") is None
-               else _number(params, "k", 0, 0, 32, integer=True))
-
-
-def _no_constants(name: str):
-    raise ValueError(f"{name} is not valid JSON")
+               max_tokens=CHECK.number(params, "max_tokens", DEFAULT_MAX_TOKENS, 1, integer=True),
+               stop=stop, document=None if document is None else CHECK.text(document, "document"),
+               speculate=CHECK.flag(params, "speculate", True),
+               stream=CHECK.flag(params, "stream", True), fixed_k=CHECK.draft_length(params, "k"))
 
 
 def parse_envelope(line: bytes):
@@ -175,7 +126,7 @@ def parse_envelope(line: bytes):
     -> (7, "cancel", {"id": 3}). Raises RpcError carrying the id to answer with (None if unknown).
     """
     try:
-        msg = json.loads(line.decode("utf-8"), parse_constant=_no_constants)
+        msg = json.loads(line.decode("utf-8"), parse_constant=no_constants)
     except (UnicodeDecodeError, ValueError) as e:
         raise RpcError(PARSE_ERROR, f"parse error: {e}") from None
     if not isinstance(msg, dict):
@@ -343,19 +294,14 @@ def result(text: str, stats: GenerationStats) -> dict:
 
 def describe(engine: Engine) -> dict:
     """The `initialize` result."""
-    model, cfg = engine.model, engine.config
-    has_template = model.chat_template() is not None
     d = SamplingParams()
     return {
         "protocol_version": PROTOCOL_VERSION,
         "server": {"name": "localspec", "version": __version__},
-        "model": {"path": str(model.path), "description": model.describe(),
-                  "n_ctx": engine.ctx.n_ctx, "n_ctx_train": model.n_ctx_train,
-                  "n_vocab": model.n_vocab, "chat_template": has_template},
+        "model": model_info(engine),
         "capabilities": {"streaming": True, "cancel": True, "document": True,
-                         "messages": has_template,
-                         "proposers": PROPOSERS.get(cfg.proposer, [cfg.proposer]),
-                         "k_max": cfg.policy.k_max, "fixed_k": cfg.policy.fixed_k},
+                         "messages": engine.model.chat_template() is not None,
+                         **speculation_info(engine)},
         "defaults": {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": d.temperature,
                      "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
                      "repeat_penalty": d.repeat_penalty, "speculate": True, "stream": True},

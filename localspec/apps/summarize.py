@@ -1,6 +1,6 @@
 """Offline summarisation: find the inputs, split long documents into chunks that fit the context,
 summarise them map-reduce style, and write each output atomically so an interrupted batch resumes.
-The click options and the progress display live in cli_summarize.py.
+The click options and the progress display live in cli/summarize.py.
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ def _umask() -> int:
 
 # -- the batch -------------------------------------------------------------------------------------
 class Progress:
-    """What the batch reports as it goes (no-ops here; cli_summarize.py draws them on stderr)."""
+    """What the batch reports as it goes (no-ops here; cli/summarize.py draws them on stderr)."""
 
     def started(self, index: int, src: Source) -> None: ...
     def call_done(self, src: Source, summary: Summary) -> None: ...

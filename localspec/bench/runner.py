@@ -19,8 +19,9 @@ from ..spec.config import EngineConfig
 from ..spec.engine import Engine
 from ..errors import LocalspecError
 from ..spec.factory import load_model
+from ..llama.buildflags import cpu_model, read_cpuinfo
 from ..llama import default_threads, library_account, system_info
-from ..policy.draft_estimate import PolicyConfig
+from ..policy.config import K_LIMIT, PolicyConfig
 from ..spec.sampling import SamplingParams, top2_gap
 from .engine_run import run_engine, run_lockstep
 from .peer import PEER_K, Peer
@@ -36,8 +37,7 @@ Say = Callable[[str], None]
 @dataclass(frozen=True)
 class Mode:
     """plain | ngram, draft, hybrid (adaptive k) | ngram-kN, draft-kN, hybrid-kN (always N
-    drafts) | ngram-unbudgeted (the adaptive policy before its loss budget, to compare the two
-    in one run) | peer | peer-kN (N predicted)."""
+    drafts) | peer | peer-kN (N predicted)."""
 
     name: str
     fixed_k: Optional[int] = None
@@ -52,10 +52,7 @@ class Mode:
 
     @property
     def policy(self) -> PolicyConfig:
-        return PolicyConfig(fixed_k=self.fixed_k, unbudgeted=self.name == UNBUDGETED)
-
-
-UNBUDGETED = "ngram-unbudgeted"
+        return PolicyConfig(fixed_k=self.fixed_k)
 
 
 def parse_modes(text: str) -> list:
@@ -65,11 +62,12 @@ def parse_modes(text: str) -> list:
     modes = []
     for name in (s.strip() for s in text.split(",") if s.strip()):
         base, _, k = name.partition("-k")
-        if name != UNBUDGETED and (base not in bases or (k and not k.isdigit()) or
-                                   (k and base == "plain")):
+        if base not in bases or (k and not k.isdigit()) or (k and base == "plain"):
             raise LocalspecError(f"unknown mode {name!r}; use plain, ngram, draft, hybrid, peer, "
-                                 "one of those but plain with -kN (e.g. ngram-k3), or "
-                                 f"{UNBUDGETED}.")
+                                 "or one of those but plain with -kN (e.g. ngram-k3).")
+        if k and int(k) > K_LIMIT and base != "peer":
+            raise LocalspecError(f"mode {name!r} drafts more than {K_LIMIT} tokens a step, the "
+                                 "most a verify batch carries.")
         if name not in [m.name for m in modes]:
             modes.append(Mode(name, int(k) if k else None))
     modes.sort(key=lambda m: m.name != "plain")
@@ -267,16 +265,6 @@ class Bench:
 
 
 # -- setup record --------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def write_json(path: Path, meta: dict, rows) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"meta": meta, "summary": summarize(rows),
@@ -296,7 +284,7 @@ def setup_record(b: Bench, settings: BenchSettings, started) -> dict:
         "localspec": __version__,
         "model": str(b.model_path), "model_desc": b.model.describe(), "draft": settings.draft,
         "exact": settings.exact,
-        "cpu": cpu_model(), "cores": os.cpu_count(), "threads": b.n_threads,
+        "cpu": cpu_model(read_cpuinfo()), "cores": os.cpu_count(), "threads": b.n_threads,
         "platform": platform.platform(), "python": platform.python_version(),
         "llama_cpp_system_info": system_info(), "llama_cpp_libraries": library_account(),
         "sampling": asdict(settings.sampling), "max_tokens_cap": settings.max_tokens,

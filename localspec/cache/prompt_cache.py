@@ -44,7 +44,6 @@ import numpy as np
 
 from .format import (SUFFIX, Rejected, context_key, read_file, read_header,
                            write_file)
-from ..files import localspec_home
 from ..catalog.pull import exclusive_lock
 from ..errors import LocalspecError
 from ..llama import Context, Model
@@ -94,11 +93,6 @@ def _touch(path: Path) -> None:
         os.utime(path)
     except OSError:
         pass
-
-
-def default_disk_dir() -> Path:
-    """`<localspec_home()>/prompt-cache`: one folder per context key, plus `sessions/`."""
-    return localspec_home() / "prompt-cache"
 
 
 def default_budget_mb(model: Model, n_ctx: int) -> int:

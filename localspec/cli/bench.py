@@ -30,9 +30,8 @@ def _csv(_ctx, _param, value):
 @click.option("--modes", default="plain,ngram,peer", show_default=True,
               help="Comma-separated: plain, ngram (adaptive k), draft, hybrid (n-gram, then the "
                    "draft model), peer (llama-cpp-python's LlamaPromptLookupDecoding, k=10); "
-                   "add -kN to any but plain to draft exactly N tokens (ngram-k3, peer-k4); "
-                   "ngram-unbudgeted is the n-gram policy before its loss budget (to compare "
-                   "the two in one run).")
+                   "add -kN to any but plain to draft exactly N tokens (ngram-k3, peer-k4; "
+                   "N at most 16 but for peer).")
 @click.option("--kinds", callback=_csv, default=None,
               help=f"Only these kinds ({','.join(KINDS)}).")
 @click.option("--cases", callback=_csv, default=None,

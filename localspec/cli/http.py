@@ -1,20 +1,17 @@
-"""The `--http` side of `localspec serve`: its options, the listening socket, and the run (engine,
-worker thread, uvicorn) until Ctrl-C. The server itself lives in localspec/http_server.py.
+"""The `--http` side of `localspec serve`: its options, checked into HttpSettings, the listening
+socket, and the hand-over to the server (localspec/apps/http_server.py) with a loaded engine.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from pathlib import Path
 
 import click
 
+from ..apps.openai_api import DEFAULT_MAX_BODY, DEFAULT_QUEUE, HttpSettings
 from ..errors import LocalspecError
 from .options import open_engine
-
-DEFAULT_MAX_BODY = 8 << 20       # bytes: a request carrying a whole source file as its document fits
-DEFAULT_QUEUE = 16               # requests waiting behind the running one
 
 
 def http_options(f):
@@ -73,28 +70,13 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def model_names(arg: str, path: Path) -> list:
-    """The id clients send as `model` (first), then the other spellings accepted for it."""
-    looks_like_path = arg.endswith(".gguf") or "/" in arg or "\\" in arg
-    first = path.stem if looks_like_path else arg
-    return list(dict.fromkeys([first, arg, path.name, path.stem]))
-
-
-def model_info(engine) -> dict:
-    """What GET /v1/models tells about the model beyond OpenAI's fields."""
-    model, cfg = engine.model, engine.config
-    return {"path": str(model.path), "description": model.describe(),
-            "n_ctx": engine.ctx.n_ctx, "n_ctx_train": model.n_ctx_train,
-            "n_vocab": model.n_vocab, "chat_template": model.chat_template() is not None,
-            "proposer": cfg.proposer, "k_max": cfg.policy.k_max, "fixed_k": cfg.policy.fixed_k}
-
-
 def run_http(kw: dict) -> None:
-    """Load the model, calibrate, serve until Ctrl-C (then cancel running work and exit)."""
+    """Check the options, listen (so a port in use is one line before the model loads), load
+    the engine, and hand both to the server until Ctrl-C."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the server's; asked for here for a clear message)
 
-        from ..apps.http_server import Service, Worker, build_app
+        from ..apps.http_server import serve_http
     except ImportError as e:
         raise LocalspecError(f"the HTTP server needs its extra packages ({e.name} is missing): "
                              "pip install 'localspec[server]' (./install.sh installs them).")
@@ -102,42 +84,11 @@ def run_http(kw: dict) -> None:
         host, port = parse_bind(kw["http_bind"])
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--http'")
+    settings = HttpSettings(host, port, kw["api_key"], kw["max_body"], kw["max_queue"],
+                            kw["model"])
     sock = listen(host, port)
-    if not is_loopback(host) and not kw["api_key"]:
+    if not is_loopback(host) and not settings.api_key:
         click.echo(f"localspec: warning: serving on {host} without --api-key: anyone who can reach "
                    "this port can use the model.", err=True)
     with sock, open_engine(kw) as engine:
-        engine.prepare()      # calibrate now, not inside the first request
-        worker = Worker(engine, kw["max_queue"])
-        service = Service(worker, model_names(kw["model"], engine.model.path), model_info(engine),
-                          kw["api_key"], kw["max_body"])
-        config = uvicorn.Config(build_app(service), log_level="warning", access_log=False,
-                                lifespan="off", http="h11", ws="none", loop="asyncio",
-                                timeout_graceful_shutdown=5)
-        server = _server_class(uvicorn)(config, on_exit=worker.cancel_all)
-        bound = sock.getsockname()[1]
-        shown = f"[{host}]" if ":" in host else host
-        click.echo(f"localspec: serving {service.names[0]} at http://{shown}:{bound}/v1 "
-                   "(OpenAI-compatible; Ctrl-C stops)", err=True)
-        worker.start()
-        try:
-            server.run(sockets=[sock])
-        finally:
-            worker.stop()
-            engine.keep_live_state()
-
-
-def _server_class(uvicorn):
-    class _Server(uvicorn.Server):
-        """uvicorn's server, which on Ctrl-C/SIGTERM first cancels every generation, so open
-        streams end within one step instead of holding the graceful shutdown open."""
-
-        def __init__(self, config, on_exit):
-            super().__init__(config)
-            self._on_exit = on_exit
-
-        def handle_exit(self, sig, frame):
-            self._on_exit()
-            super().handle_exit(sig, frame)
-
-    return _Server
+        serve_http(engine, sock, settings, say=lambda line: click.echo(line, err=True))

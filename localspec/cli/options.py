@@ -10,13 +10,13 @@ import sys
 
 import click
 
-from ..spec.config import EngineConfig
+from ..spec.config import PROPOSERS, EngineConfig
 from ..spec.engine import Engine
 from ..llama import default_threads
 from ..errors import LocalspecError
 from ..files import internal_error_line
 from ..text import check_utf8, decode_utf8
-from ..policy.draft_estimate import PolicyConfig
+from ..policy.config import K_LIMIT, PolicyConfig
 from ..llama.rpc import parse_servers
 from ..spec.sampling import SamplingParams
 
@@ -42,7 +42,7 @@ def model_options(default_proposer: str = "ngram"):
                          envvar="LOCALSPEC_MODEL",
                          help="Catalog name (see `localspec models list`) or path to a .gguf "
                               "file. Env: LOCALSPEC_MODEL."),
-            click.option("--proposer", type=click.Choice(["ngram", "draft", "hybrid", "none"]),
+            click.option("--proposer", type=click.Choice(list(PROPOSERS)),
                          default=default_proposer, show_default=True,
                          help="Where draft tokens come from: ngram = prompt lookup (free, wins "
                               "when the output repeats the input); draft = the --draft model; "
@@ -54,9 +54,10 @@ def model_options(default_proposer: str = "ngram"):
                               "Where its cost curve says it cannot pay (a small CPU), it is "
                               "dropped with a one-line note unless --k forces drafting. "
                               "Env: LOCALSPEC_DRAFT."),
-            click.option("--k", "fixed_k", type=click.IntRange(0, 32), default=None,
-                         help="Draft exactly this many tokens per step (default: adaptive, "
-                              "from the measured cost curve and running acceptance)."),
+            click.option("--k", "fixed_k", type=click.IntRange(0, K_LIMIT), default=None,
+                         help=f"Draft exactly this many tokens per step, at most {K_LIMIT} "
+                              "(default: adaptive, from the measured cost curve and running "
+                              "acceptance)."),
             click.option("--exact", is_flag=True, envvar="LOCALSPEC_EXACT",
                          help="Batch-invariant CPU kernels: speculative output is bit-for-bit "
                               "plain decoding's, at the cost of weight repacking (~20-40% slower). "
@@ -131,7 +132,9 @@ def build_sampling(kw: dict) -> SamplingParams:
                           min_p=kw["min_p"], repeat_penalty=kw["repeat_penalty"], seed=kw["seed"])
 
 
-def open_engine(kw: dict) -> Engine:
+def engine_config(kw: dict) -> EngineConfig:
+    """The engine's one typed config, from the options of model_options() (and serve's
+    cache_disk): everything below the command line receives this, never the options dict."""
     proposer = kw["proposer"]
     ctx = click.get_current_context(silent=True)
     chosen = ctx is not None and ctx.get_parameter_source("proposer") not in (
@@ -146,13 +149,16 @@ def open_engine(kw: dict) -> Engine:
     layers = kw["gpu_layers"]
     if kw.get("rpc") and layers == 0:
         layers = -1           # --rpc alone: every layer on the RPC servers (0 would use none)
-    config = EngineConfig(proposer=proposer, draft=kw.get("draft"), n_ctx=kw["n_ctx"],
-                          exact=kw.get("exact", False),
-                          n_threads=kw["threads"],
-                          n_gpu_layers=layers, rpc=kw.get("rpc") or (),
-                          cache_mb=kw.get("cache_mb"), cache_disk=kw.get("cache_disk", False),
-                          policy=PolicyConfig(fixed_k=kw["fixed_k"]))
-    return Engine(kw["model"], config, progress=lambda msg: click.echo(msg, err=True))
+    return EngineConfig(proposer=proposer, draft=kw.get("draft"), n_ctx=kw["n_ctx"],
+                        exact=kw.get("exact", False), n_threads=kw["threads"],
+                        n_gpu_layers=layers, rpc=kw.get("rpc") or (),
+                        cache_mb=kw.get("cache_mb"), cache_disk=kw.get("cache_disk", False),
+                        policy=PolicyConfig(fixed_k=kw["fixed_k"]))
+
+
+def open_engine(kw: dict) -> Engine:
+    """The engine for -m/--model and the options, with progress lines on stderr."""
+    return Engine(kw["model"], engine_config(kw), progress=lambda msg: click.echo(msg, err=True))
 
 
 def run_command(command: click.Command, argv=None, prog_name=None) -> None:

@@ -19,7 +19,7 @@ ggml's RPC backend is built everywhere (GGML_RPC=ON): `--rpc` spreads a model's 
 Overrides: LOCALSPEC_CMAKE_ARGS replaces the choice entirely; CMAKE_ARGS is appended (later -D
 flags win); LOCALSPEC_CUDA=1/0 forces CUDA on/off; LOCALSPEC_CUDA_ARCH (e.g. "90") names the
 CUDA architectures.
-Run `python localspec/buildflags.py --explain` to see the decision, `--exact` for the exact copy's.
+Run `python localspec/llama/buildflags.py --explain` to see the decision, `--exact` for the exact copy's.
 """
 
 from __future__ import annotations
@@ -41,11 +41,27 @@ X86_FEATURES = [
 AMX_OPTIONS = ["GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"]
 
 
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo, or "" where there is none (macOS) or it cannot be read: the one reader."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_flags(cpuinfo: str) -> set:
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """The CPU's name ("AMD EPYC 7B13"), else what platform knows."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def has_nvidia_gpu() -> bool:
@@ -119,10 +135,7 @@ def host_cmake_args() -> tuple:
     override = os.environ.get("LOCALSPEC_CMAKE_ARGS")
     if override is not None:
         return override.split(), ["LOCALSPEC_CMAKE_ARGS given: used as is"]
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpuinfo = ""
+    cpuinfo = read_cpuinfo()
     nvcc = bool(shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists())
     gpu = has_nvidia_gpu()
     arch = os.environ.get("LOCALSPEC_CUDA_ARCH") or (host_cuda_arch() if nvcc and gpu else "")

@@ -2,9 +2,9 @@
 fastest prefill) or the llamafile-free copy that ./install.sh lays beside it for `--exact`.
 
 llama-cpp-python loads its libraries once, at `import llama_cpp`, from LLAMA_CPP_LIB_PATH if set;
-so the choice is made once per process, before that import (localspec/llama.py asks here first).
+so the choice is made once per process, before that import (llama/backend.py asks here first).
 Standard library only and never imports llama_cpp, so install.sh runs it as a script to lay out
-the copy: `python localspec/libs.py install CPU_LIB_DIR KEY | key | remove`.
+the copy: `python localspec/llama/libs.py install CPU_LIB_DIR KEY | key | remove`.
 LOCALSPEC_EXACT_LIB names another llamafile-free library folder (a build of your own).
 """
 

@@ -29,6 +29,17 @@ class DraftFeatures:
     breaks: Optional[Sequence[int]] = None  # [n] token_class() of each continuation token
 
 
+@dataclass(frozen=True)
+class Offer:
+    """What a proposer can draft now, before it spends anything on drafting: an n-gram match (its
+    continuation and support, free to draft) or a draft model that is ready (up to `limit`
+    tokens, one decode each). The policy reads it and chooses k; the proposer then drafts k."""
+
+    source: str                               # "history" | "document" | "draft"
+    limit: int                                # the most tokens the proposer can give (>= 1)
+    features: Optional[DraftFeatures] = None  # n-gram: what the acceptance model reads
+
+
 PLAIN, NEWLINE, STOP = 0, 1, 2   # token_class(): where copied text tends to part
 
 

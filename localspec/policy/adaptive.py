@@ -11,29 +11,14 @@ acceptance model and the guard belong to one request (they learn the text).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from .acceptance import AcceptanceConfig, AcceptanceModel, DraftFeatures, RequestState
+from .acceptance import AcceptanceModel, DraftFeatures, Offer, RequestState
+from .config import GuardConfig, PolicyConfig
 from .costmodel import CostModel
 from .draft_estimate import DraftPolicy
 
 PLAIN_EMA = 0.8     # the guard's plain-step time: the last ~5 plain steps of the request
-
-
-@dataclass(frozen=True)
-class GuardConfig:
-    decay: float = 0.85           # per speculative step: the guard judges the last ~7
-    min_steps: int = 6            # speculative steps before the first judgement
-    threshold: float = 0.9        # realised gain under this: back off (the acceptance model
-                                  # is trusted near break-even; the guard catches a bad prior)
-    backoff: int = 24             # plain steps before speculating again; doubles per failure
-    backoff_max: int = 384
-    step_cap: float = 2.0         # a step weighs at most this many plain steps' time in the
-                                  # window: one deep draft that misses is one piece of evidence,
-                                  # not the verdict (seen: one 15-token miss paused a summary
-                                  # running at 1.2x for 24 steps)
 
 
 class RegretGuard:
@@ -111,37 +96,18 @@ def best_draft(p: Sequence[float], r: Sequence[float]) -> tuple:
     return best_k, best
 
 
-@dataclass(frozen=True)
-class AdaptiveConfig:
-    k_max: int = 16
-    fixed_k: Optional[int] = None  # set: always draft this many (no model, no guard)
-    min_gain: float = 1.1         # predicted speed over plain that a draft must beat: the
-                                  # drafts taken are those predicted best, and in prose they
-                                  # are accepted less than predicted (held-out replay, policy.md)
-    loss_budget: float = 0.4      # plain steps a draft may risk per token of the longest
-                                  # copied run the request has shown (+1): deep drafts on
-                                  # steep CPUs wait for evidence that the text copies long runs
-    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
-    guard: GuardConfig = field(default_factory=GuardConfig)
-
-    def unbudgeted(self) -> "AdaptiveConfig":
-        """The policy as it was before 2026-11-24 (no loss budget, min_gain 1.0), kept so the
-        replay and the bench (mode ngram-unbudgeted) can compare the two."""
-        return replace(self, min_gain=1.0, loss_budget=math.inf)
-
-
 class AdaptivePolicy:
     """One request's policy. The step calls, in order:
     start() after prefill; per step the proposer calls choose_draft(features), then the
     step calls observe_step(...) with what verification decided and what it cost."""
 
-    def __init__(self, cost: CostModel, config: AdaptiveConfig = AdaptiveConfig(),
+    def __init__(self, cost: CostModel, config: PolicyConfig = PolicyConfig(),
                  draft: Optional[DraftPolicy] = None):
         self.cost = cost
         self.config = config
         # A draft model's proposals have none of the n-gram features: they keep the scalar
-        # acceptance estimate of policy.DraftPolicy (and its probes), on the prior cost curve.
-        self.draft = draft if draft is not None else DraftPolicy(cost.prior.tolist())
+        # acceptance estimate of draft_estimate.DraftPolicy (and its probes), on the prior cost curve.
+        self.draft = draft if draft is not None else DraftPolicy(cost.prior.tolist(), config)
         self.acceptance = AcceptanceModel(config.acceptance)
         self.guard = RegretGuard(config.guard)
         self.state = RequestState()
@@ -153,9 +119,12 @@ class AdaptivePolicy:
         self.state = RequestState()
         self._plain_ms = None
 
-    def choose_k(self, source: str, available: Optional[int] = None, probe: bool = False) -> int:
-        """k for a draft model's proposal (DraftProposer asks before it drafts)."""
-        return self.draft.choose_k(source, available, probe)
+    def choose(self, offer: Offer) -> int:
+        """k for a proposer's offer (0: decode plainly). A draft model's offer has no features:
+        it keeps the scalar estimate of draft_estimate.DraftPolicy and its probes."""
+        if offer.features is None:
+            return self.draft.choose_k(offer.source, available=offer.limit, probe=True)
+        return self.choose_draft(offer.features)
 
     def predict(self, f: DraftFeatures) -> list:
         """p_0..p_{n-1} of the proposal's positions (n capped by k_max)."""

@@ -1,9 +1,11 @@
-"""How many tokens to draft: the cost model, a running acceptance estimate, and the off-switch.
+"""A draft model's policy: one running acceptance estimate per source against the cost curve,
+the off-switch with its probes, and whether a draft model can pay on this device at all.
 
 A verify batch of k+1 tokens costs r(k) one-token decodes (r(0) = 1). With per-token acceptance
 a, a step emits E(k) = (1 - a^(k+1)) / (1 - a) tokens, so speculation runs at E(k) / (r(k) + c(k))
 times plain speed, where c(k) is the proposer's own cost in target-decode units. The policy picks
-the k that maximises that and drafts nothing (k = 0, plain decoding) when no k beats 1.0.
+the k that maximises that and drafts nothing (k = 0, plain decoding) when no k beats
+`draft_min_gain`.
 k depends only on the cost curve and the acceptance history, never on wall-clock time measured
 during the request, so a run is reproducible once its cost curve is cached.
 """
@@ -13,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .acceptance import DraftFeatures
+from .acceptance import DraftFeatures, Offer
+from .config import PolicyConfig
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -21,24 +24,6 @@ def expected_tokens(a: float, k: int) -> float:
     if a >= 1.0:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    k_max: int = 16
-    fixed_k: Optional[int] = None     # set: always draft this many (no adaptation, no off-switch)
-    prior_acceptance: float = 0.6     # acceptance assumed before any evidence
-    prior_weight: float = 2.0         # how many observations the prior is worth
-    decay: float = 0.95               # per-observation forgetting: text changes character
-    min_gain: float = 1.02            # speculate only when the model promises at least this gain
-    draft_best_acceptance: float = 0.9  # a draft model must promise draft_min_gain at this
-    draft_min_gain: float = 1.1         # acceptance, or it is dropped: its prefill, KV catch-up
-                                        # and probes are not in the per-token cost model
-    probe_every: int = 128            # costly proposers that are off still try k=1 this often:
-                                      # a probe first catches the draft up over the idle stretch
-                                      # (measured: 2.3-3.2 s for ~128 tokens, 0.5B on 2 cores)
-    unbudgeted: bool = False          # the n-gram policy as before 2026-11-24 (no loss budget,
-                                      # min_gain 1.0): the bench's ngram-unbudgeted mode
 
 
 @dataclass
@@ -68,8 +53,8 @@ class DraftPolicy:
     def acceptance(self, source: str) -> float:
         c = self.config
         e = self._est.get(source)
-        hits = (e.hits if e else 0.0) + c.prior_acceptance * c.prior_weight
-        trials = (e.trials if e else 0.0) + c.prior_weight
+        hits = (e.hits if e else 0.0) + c.draft_prior * c.draft_prior_weight
+        trials = (e.trials if e else 0.0) + c.draft_prior_weight
         return hits / trials
 
     def speedup(self, source: str, k: int) -> float:
@@ -88,7 +73,7 @@ class DraftPolicy:
         0.2: 3.44 / (1 + 0.8) = 1.9x: yes."""
         if self.config.fixed_k is not None:
             return True
-        a, gain = self.config.draft_best_acceptance, self.config.draft_min_gain
+        a, gain = self.config.draft_best_acceptance, self.config.draft_pays_gain
         return any(expected_tokens(a, k) / (self.cost[k] + self._draft_steps(k)) > gain
                    for k in range(1, len(self.cost)))
 
@@ -105,7 +90,7 @@ class DraftPolicy:
         limit = min(c.k_max, len(self.cost) - 1, c.k_max if available is None else available)
         if c.fixed_k is not None:
             return max(0, min(c.fixed_k, limit))
-        best_k, best = 0, c.min_gain
+        best_k, best = 0, c.draft_min_gain
         for k in range(1, limit + 1):
             s = self.speedup(source, k)
             if s > best:
@@ -134,6 +119,13 @@ class DraftPolicy:
         """How many of the proposer's tokens to draft (0: decode plainly)."""
         return self.choose_k(self.key_for(f), available=len(f.tokens))
 
+    def choose(self, offer: Offer) -> int:
+        """k for a proposer's offer: a draft model's by its source's estimate (probing while
+        off), an n-gram match's by its source and match length."""
+        if offer.features is None:
+            return self.choose_k(offer.source, available=offer.limit, probe=True)
+        return self.choose_draft(offer.features)
+
     def observe_step(self, f: Optional[DraftFeatures], k: int, n_accepted: int,
                      emitted: Sequence[int], verify_ms: Optional[float] = None,
                      propose_ms: float = 0.0) -> None:
@@ -152,8 +144,8 @@ class DraftPolicy:
             return
         e = self._est.setdefault(source, _Estimate(0.0, 0.0))
         trials = n_accepted + (1 if n_accepted < n_drafted else 0)
-        e.hits = e.hits * self.config.decay ** trials + n_accepted
-        e.trials = e.trials * self.config.decay ** trials + trials
+        e.hits = e.hits * self.config.draft_decay ** trials + n_accepted
+        e.trials = e.trials * self.config.draft_decay ** trials + trials
 
 
 @dataclass(frozen=True)

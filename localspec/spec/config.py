@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .ngram import NGRAM_MAX, NGRAM_TIE
-from ..policy.draft_estimate import PolicyConfig
+from ..policy.config import PolicyConfig
 
-PROPOSERS = ("ngram", "draft", "hybrid", "none")
+# --proposer -> where its draft tokens come from (the one list of proposers)
+PROPOSERS = {"ngram": ("ngram",), "draft": ("draft",), "hybrid": ("ngram", "draft"), "none": ()}
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class EngineConfig:
     n_threads: Optional[int] = None
     n_gpu_layers: int = 0
     rpc: tuple = ()                       # HOST:PORT of `localspec rpc-server`s (see rpc.attach)
-    cache_mb: Optional[float] = None      # RAM for saved prompt KV states (prompt_cache.py);
+    cache_mb: Optional[float] = None      # RAM for saved prompt KV states (cache/prompt_cache.py);
                                           # None: two full contexts' worth, 0: no prompt cache
     cache_disk: bool = False              # also keep them under <home>/prompt-cache (restarts)
     exact: bool = False                   # batch-invariant CPU kernels: speculative == plain, bit for bit

@@ -2,7 +2,8 @@
 
 Plain decoding is the same loop with no drafts (k = 0), so the baseline and the speculative path
 share the prefill, the sampler chain, the random stream and the stopping rules. The engine owns
-the target's context, the loop and lifetimes; factory.py builds the model and the proposer.
+the target's context, the loop and lifetimes; factory.py builds the model, cache and proposer,
+drafting.py each request's draft policy, generation.py the handle a caller iterates.
 """
 
 from __future__ import annotations
@@ -12,23 +13,20 @@ import random
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from ..policy.adaptive import AdaptiveConfig, AdaptivePolicy
-from ..policy.calibrate import load_or_measure
-from .config import EngineConfig
 from ..errors import LocalspecError
-from .factory import context_params, fit_to_device, load_model, make_cache, make_proposer
 from ..llama import Context, Model
-from ..policy.costmodel import CostConfig, CostModel
-from ..policy.draft_estimate import DraftPolicy, PolicyConfig
-from ..cache.prompt_cache import PromptCache
+from ..policy.adaptive import AdaptivePolicy
+from ..policy.config import PolicyConfig
+from .config import EngineConfig
+from .drafting import Drafting
+from .factory import build
+from .generation import Generation, Request
 from .proposers import EMPTY, Proposal, Proposer
 from .sampling import PositionStream, SamplingParams, draw, target_dist
-from .stats import GenerationStats
 from .step import StepResult, step
 from .textstream import TextStream
 
@@ -40,57 +38,6 @@ Prompt = Union[str, Sequence[dict], Sequence[int]]
 # (llama.cpp's own n_batch, 512, would be ~10 s). Measured cost: 0.99x the prefill speed of whole
 # n_batch calls, inside the noise (docs/benchmarks.md, "Prefill chunk size").
 PREFILL_CHUNK = 256
-
-
-@dataclass
-class _Request:
-    """Mutable state of one generate() call."""
-
-    sampling: SamplingParams
-    stream: PositionStream
-    policy: Optional[AdaptivePolicy]
-    history: list                 # prompt + emitted tokens (what penalties and n-gram see)
-    tie_margin: float             # the near-tie guard for this request (0: off)
-    out: list = field(default_factory=list)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    recheck: bool = False         # the next step decodes one token: a near-tie is re-decided
-
-
-class Generation:
-    """Iterate for text pieces as they are ready; afterwards `.text`, `.tokens`, `.stats`."""
-
-    def __init__(self, run: Iterator[str], request: _Request, texts: TextStream):
-        self._run, self._request, self._texts = run, request, texts
-
-    def __iter__(self) -> Iterator[str]:
-        return self._run              # the loop itself: no wrapper frame per piece
-
-    def close(self) -> None:
-        """End the request where it is, now rather than whenever Python collects it: the engine's
-        cleanup runs at once (its KV keeps the prompt and the tokens emitted so far). No-op once
-        the request has ended."""
-        self._run.close()
-
-    def complete(self) -> str:
-        for _ in self:
-            pass
-        return self.text
-
-    def complete_tokens(self) -> list:
-        self.complete()
-        return list(self.tokens)
-
-    @property
-    def text(self) -> str:
-        return self._texts.text
-
-    @property
-    def tokens(self) -> list:
-        return self._request.out
-
-    @property
-    def stats(self) -> GenerationStats:
-        return self._request.stats
 
 
 class Engine:
@@ -105,28 +52,16 @@ class Engine:
                  progress: Optional[Callable[[str], None]] = None,
                  proposer: Optional[Proposer] = None, context: Optional[Context] = None):
         self.config = config
-        self._progress = progress
-        self._own_model = isinstance(target, (str, os.PathLike))
-        self.model = load_model(target, config.n_gpu_layers, config.exact, config.rpc) \
-            if self._own_model else target
-        self.proposer: Optional[Proposer] = None
-        self.cache: Optional[PromptCache] = None
-        try:
-            self.ctx = context if context is not None else \
-                Context(self.model, context_params(config))
-            self.cache = make_cache(config, self.model)
-            self.proposer = proposer if proposer is not None else \
-                make_proposer(config, self.model, self.cache)
-        except Exception:
-            self.close()
-            raise
+        parts = build(target, config, proposer, context)
+        self.model, self.ctx, self.cache, self.proposer = parts.model, parts.ctx, parts.cache, \
+            parts.proposer
+        self._own_model = parts.own_model
         if self.ctx.n_ctx > self.model.n_ctx_train > 0:
             print(f"localspec: warning: a context of {self.ctx.n_ctx} tokens is more than "
                   f"{self.model.path.name} was trained on ({self.model.n_ctx_train}); output "
                   "past that length may degrade. Lower --ctx unless you know it copes.",
                   file=sys.stderr)
-        self._cost: Optional[CostModel] = None   # learns this machine across requests
-        self._draft_cost = 0.0
+        self.drafting = Drafting(config, progress)
         self._can_rollback = True
 
     # -- public --------------------------------------------------------------------------------
@@ -159,7 +94,7 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         rules = self._policy(policy) if speculate else None
         guard = self.config.tie_margin if sampling.greedy and not self.config.exact else 0.0
-        req = _Request(sampling, PositionStream(seed), rules, list(prompt_tokens), guard)
+        req = Request(sampling, PositionStream(seed), rules, list(prompt_tokens), guard)
         if rules is not None:
             doc = self.model.tokenize(document, add_special=False) if document else None
             self.proposer.begin(prompt_tokens, doc, sampling, seed)
@@ -210,7 +145,7 @@ class Engine:
         self.close()
 
     # -- the loop ------------------------------------------------------------------------------
-    def _run(self, req: _Request, texts: TextStream, max_tokens: int,
+    def _run(self, req: Request, texts: TextStream, max_tokens: int,
              cancel: Optional[threading.Event]) -> Iterator[str]:
         st, n_prompt = req.stats, len(req.history)
         st.prompt_tokens = n_prompt
@@ -275,11 +210,11 @@ class Engine:
             if not st.stop_reason:
                 st.stop_reason = "cancelled"
 
-    def _step(self, req: _Request) -> list:
+    def _step(self, req: Request) -> list:
         """Ask the proposer (unless a near-tie must be re-decided alone), run one step, learn."""
         t0 = time.perf_counter()
         room = self.ctx.n_ctx - self.ctx.n_past - 1
-        proposal = self.proposer.propose(req.policy, room) \
+        proposal = self._propose(req.policy, room) \
             if req.policy is not None and room > 0 and not req.recheck else EMPTY
         propose_ms = 1000 * (time.perf_counter() - t0)
         result = step(self.ctx, proposal, req.sampling, req.history, req.stream,
@@ -299,6 +234,19 @@ class Engine:
         st.sample_ms += result.sample_ms
         return result.emitted
 
+    def _propose(self, policy: AdaptivePolicy, room: int) -> Proposal:
+        """The draft length's one way: the proposer offers, the policy chooses k, the proposer
+        drafts k. An offer not taken goes to the plain step, which says what it would have
+        scored (the acceptance model learns while speculation is off)."""
+        passed = EMPTY
+        for offer in self.proposer.offers(min(room, policy.config.k_max)):
+            k = policy.choose(offer)
+            if k > 0:
+                return self.proposer.draft(offer, k)
+            if passed is EMPTY and offer.features is not None:
+                passed = Proposal([], None, offer.source, offer.features)
+        return passed
+
     @staticmethod
     def _learn(policy: AdaptivePolicy, proposal: Proposal, result: StepResult,
                propose_ms: float) -> None:
@@ -312,36 +260,14 @@ class Engine:
 
     # -- helpers -------------------------------------------------------------------------------
     def _policy(self, override: Optional[PolicyConfig]) -> Optional[AdaptivePolicy]:
-        """The draft policy for a request (None: decode plainly): per-request acceptance and
-        guard (adaptive.py) on the engine's cost model, which starts from the calibrated curve and
-        learns from every step's timing. Drops a draft model that cannot pay here, once."""
+        """The draft policy for a request (None: decode plainly), from drafting.py; the first
+        one may drop a draft model that cannot pay here."""
         if self.proposer is None or not self._can_rollback:
             return None
-        config = override or self.config.policy
-        adaptive = AdaptiveConfig(k_max=config.k_max, fixed_k=config.fixed_k)
-        if config.unbudgeted:
-            adaptive = adaptive.unbudgeted()
-        if config.fixed_k is not None:    # no choice to make: no cost curve to measure
-            flat = [1.0] * (config.k_max + 1)
-            return AdaptivePolicy(CostModel(flat, config=CostConfig(online=False)), adaptive,
-                                  DraftPolicy(flat, config))
-        if self._cost is None:
-            curve = load_or_measure(self.ctx, self.config.n_gpu_layers, self.config.policy.k_max,
-                                    progress=self._progress)
-            st = curve.notes.get("stability")
-            self._cost = CostModel(curve.ratios, curve.ms_per_step,
-                                   CostConfig(online=self.config.learn_cost),
-                                   noisy=bool(st is not None and st.noisy))
-            self._draft_cost = self.proposer.draft_cost(curve, self._progress)
-        rules = DraftPolicy(self._cost.prior.tolist(), config, self._draft_cost)
-        self.proposer = fit_to_device(self.proposer, rules)
-        if self.proposer is not None and not self.proposer.uses_draft_model:
-            self._draft_cost = 0.0
-        if self.proposer is None:
-            return None
-        return AdaptivePolicy(self._cost, adaptive, rules)
+        policy, self.proposer = self.drafting.policy(self.ctx, self.proposer, override)
+        return policy
 
-    def _rollback_refused(self, req: _Request, emitted: list) -> None:
+    def _rollback_refused(self, req: Request, emitted: list) -> None:
         """The model's memory cannot drop rows (recurrent/hybrid): rebuild KV, stop speculating."""
         print("localspec: this model cannot roll back its KV cache; continuing with plain "
               "decoding.", file=sys.stderr)

@@ -1,13 +1,14 @@
-"""Builds what an Engine runs from its config: the target model (with exact-mode kernels when
-asked), the context settings, the prompt cache, and the proposer, loading the draft model and
-checking that it can draft for the target. Also decides, once the cost curve is known, whether a
-draft model can pay.
+"""Builds what an Engine runs from its config, in one call (build): the target model (with
+exact-mode kernels when asked), its context, the prompt cache, and the proposer, loading the draft
+model and checking that it can draft for the target. Also decides, once the cost curve is known,
+whether a draft model can pay (fit_to_device, called by drafting.py).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..policy.acceptance import TokenClasses
@@ -16,11 +17,45 @@ from .compat import check_pair
 from .config import PROPOSERS, EngineConfig
 from ..errors import LocalspecError
 from ..files import cache_dir
-from ..llama import ContextParams, Model, ModelParams, enable_exact_kernels
+from ..llama import Context, ContextParams, Model, ModelParams, enable_exact_kernels
 from ..policy.draft_estimate import DraftPolicy
 from ..cache.prompt_cache import PromptCache, default_budget_mb
 from .proposers import DraftProposer, HybridProposer, NgramProposer, Proposer
 from ..llama.rpc import attach as attach_rpc
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What an engine runs; it closes them (the model only when `own_model`)."""
+
+    model: Model
+    own_model: bool
+    ctx: Context
+    cache: Optional[PromptCache]
+    proposer: Optional[Proposer]
+
+
+def build(target: Union[str, os.PathLike, Model], config: EngineConfig,
+          proposer: Optional[Proposer] = None, context: Optional[Context] = None) -> Parts:
+    """The model (a catalog name or path is resolved, pulled if needed, and loaded; a loaded
+    Model is used as it is), its context, the prompt cache and the proposer. `proposer` and
+    `context` replace the ones the config would build (tests pass scripted ones). If a part
+    fails, what was made or handed in is closed (a handed-in Model is not)."""
+    own_model = isinstance(target, (str, os.PathLike))
+    model = load_model(target, config.n_gpu_layers, config.exact, config.rpc) if own_model \
+        else target
+    ctx = context
+    try:
+        ctx = ctx if ctx is not None else Context(model, context_params(config))
+        cache = make_cache(config, model)
+        if proposer is None:
+            proposer = make_proposer(config, model, cache)
+    except BaseException:
+        for part in (proposer, ctx, model if own_model else None):
+            if part is not None:
+                part.close()
+        raise
+    return Parts(model, own_model, ctx, cache, proposer)
 
 
 def model_params(n_gpu_layers: int, exact: bool) -> ModelParams:
@@ -63,7 +98,7 @@ def make_proposer(config: EngineConfig, target: Model,
     which keeps its prompt states in `cache` beside the target's."""
     if config.proposer not in PROPOSERS:
         raise LocalspecError(f"unknown proposer {config.proposer!r}; "
-                             "use ngram, draft, hybrid or none.")
+                             f"use {', '.join(PROPOSERS)}.")
     if config.proposer == "none":
         return None
     if config.proposer == "ngram":

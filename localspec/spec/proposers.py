@@ -2,13 +2,14 @@
 (the `Proposer` base class); the engine depends on that and nothing else:
 
     begin(history, document, sampling, seed)   the prompt tokens and request settings
-    propose(policy, room) -> Proposal          draft tokens; the proposer asks the policy for k
+    offers(limit) -> [Offer]                   what it could draft now, at no cost yet
+    draft(offer, k) -> Proposal                k draft tokens for an offer the policy took
     accept(tokens)                             the tokens the verifier emitted this step
     close()
 
-A cheap proposer (n-gram) looks first and asks the policy how many of its tokens to use; a costly
-one (draft model) asks the policy for k first and only then spends time drafting. Proposers are
-built from the engine's config by factory.py.
+The draft length goes one way: the proposer offers (an n-gram match with its features, or a draft
+model that is ready), the policy chooses k from the offer, the proposer drafts k. A draft model
+spends its time only in draft(). Proposers are built from the engine's config by factory.py.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..policy.acceptance import DraftFeatures
+from ..policy.acceptance import DraftFeatures, Offer
 from ..policy.calibrate import load_or_measure
 from ..llama import Context, ContextParams, Model
 from .ngram import NGRAM_MAX, NGRAM_TIE, SOURCE_DOCUMENT, NgramIndex
-from ..policy.draft_estimate import CostCurve, DraftPolicy
+from ..policy.draft_estimate import CostCurve
 from .sampling import SamplingParams, draw, target_dist
 
 
@@ -33,18 +34,6 @@ class Proposal:
     source: str                       # "history" | "document" | "draft"
     features: Optional[DraftFeatures] = None  # what the proposer knew (n-gram): the policy's
                                               # observe_step() wants it back after verify
-
-    @property
-    def shadow(self) -> Optional[int]:
-        """Nothing drafted but the matcher had a guess: its first token (plain decoding's token
-        then says what drafting would have scored)."""
-        f = self.features
-        return int(f.tokens[0]) if f is not None and not self.tokens and len(f.tokens) else None
-
-    @property
-    def key(self) -> str:
-        """The acceptance-estimate key of policy.DraftPolicy: source and match length."""
-        return DraftPolicy.key_for(self.features) if self.features is not None else self.source
 
 
 EMPTY = Proposal([], None, "none")
@@ -61,7 +50,12 @@ class Proposer:
               sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
         raise NotImplementedError
 
-    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
+    def offers(self, limit: int) -> list:
+        """[Offer] of what could be drafted now, at most `limit` tokens each, best first."""
+        raise NotImplementedError
+
+    def draft(self, offer: Offer, k: int) -> Proposal:
+        """k (1..offer.limit) draft tokens for one of this step's offers."""
         raise NotImplementedError
 
     def accept(self, tokens: Sequence[int]) -> None:
@@ -98,9 +92,10 @@ class NgramProposer(Proposer):
         self._index.append(list(history))
         self._index.set_document(list(document) if document else None)
 
-    def features(self, room: int, k_max: int) -> Optional[DraftFeatures]:
-        """The continuation the matcher offers now, with its occurrence support; None: no match."""
-        found = self._index.propose_supported(min(k_max, room))
+    def features(self, limit: int) -> Optional[DraftFeatures]:
+        """The continuation the matcher finds now (at most `limit` tokens), with its occurrence
+        support; None: no match."""
+        found = self._index.propose_supported(limit)
         if found is None:
             return None
         tokens, source, ngram_len, n_occ, agree = found
@@ -108,13 +103,12 @@ class NgramProposer(Proposer):
         return DraftFeatures(tokens, "document" if source == SOURCE_DOCUMENT else "history",
                              ngram_len, n_occ, agree, breaks)
 
-    def propose(self, policy, room: int) -> Proposal:
-        """policy: anything with config.k_max and choose_draft(DraftFeatures) -> k
-        (policy.DraftPolicy, adaptive.AdaptivePolicy)."""
-        f = self.features(room, policy.config.k_max)
-        if f is None:
-            return EMPTY
-        return Proposal(list(f.tokens[:policy.choose_draft(f)]), None, f.source, features=f)
+    def offers(self, limit: int) -> list:
+        f = self.features(limit)
+        return [] if f is None else [Offer(f.source, len(f.tokens), f)]
+
+    def draft(self, offer: Offer, k: int) -> Proposal:
+        return Proposal(list(offer.features.tokens[:k]), None, offer.source, offer.features)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self._index.append(list(tokens))
@@ -160,11 +154,11 @@ class DraftProposer(Proposer):
             self.cache.prepare(self.ctx, self._history)
         self.ctx.sync(self._history)
 
-    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
-        k = policy.choose_k("draft", available=min(room, self.ctx.n_ctx - len(self._history)),
-                            probe=True)
-        if k <= 0:
-            return EMPTY
+    def offers(self, limit: int) -> list:
+        limit = min(limit, self.ctx.n_ctx - len(self._history))
+        return [Offer("draft", limit)] if limit > 0 else []
+
+    def draft(self, offer: Offer, k: int) -> Proposal:
         row, _ = self.ctx.sync(self._history)
         tokens, dists = [], []
         for i in range(k):
@@ -200,30 +194,29 @@ class HybridProposer(Proposer):
     uses_draft_model = True
 
     def __init__(self, ngram: NgramProposer, draft: DraftProposer):
-        self.ngram, self.draft = ngram, draft
+        self.ngram, self.draft_model = ngram, draft
 
     def begin(self, history, document=None, sampling=None, seed: int = 0) -> None:
         self.ngram.begin(history, document, sampling, seed)
-        self.draft.begin(history, document, sampling, seed)
+        self.draft_model.begin(history, document, sampling, seed)
 
-    def propose(self, policy: DraftPolicy, room: int) -> Proposal:
-        p = self.ngram.propose(policy, room)
-        if p.tokens:
-            return p
-        d = self.draft.propose(policy, room)
-        return d if d.tokens else p
+    def offers(self, limit: int) -> list:
+        return self.ngram.offers(limit) + self.draft_model.offers(limit)
+
+    def draft(self, offer: Offer, k: int) -> Proposal:
+        return (self.draft_model if offer.source == "draft" else self.ngram).draft(offer, k)
 
     def accept(self, tokens) -> None:
         self.ngram.accept(tokens)
-        self.draft.accept(tokens)
+        self.draft_model.accept(tokens)
 
     def draft_cost(self, target: CostCurve, progress=None) -> float:
-        return self.draft.draft_cost(target, progress)
+        return self.draft_model.draft_cost(target, progress)
 
     def without_draft_model(self) -> NgramProposer:
-        self.draft.close()
+        self.draft_model.close()
         return self.ngram
 
     def close(self) -> None:
         self.ngram.close()
-        self.draft.close()
+        self.draft_model.close()

@@ -61,7 +61,7 @@ def near_tie(rows: np.ndarray, upto: int, sampling: SamplingParams, recent: list
     """First row 0..upto whose greedy choice is closer than `margin`, or None.
 
     With the default (fast, not batch-invariant) kernels a row of a verify batch differs from a
-    one-token decode by up to ~0.4-0.9 in a logit (DESIGN.md), enough to flip a near-tie that
+    one-token decode by up to ~0.4-0.9 in a logit (docs/design.md), enough to flip a near-tie that
     plain decoding would decide the other way. Such a token is not taken from the batch: the
     next step decodes it alone, as plain decoding does. The default margin 0.25 covers every
     divergence measured on the workloads (top-2 gaps 0.02-0.18) while few rows fall under it

@@ -3,8 +3,7 @@ import os
 
 from cffi import FFI
 
-_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "csrc")
-_CSRC = os.path.relpath(os.path.normpath(_CSRC))  # setuptools wants relative source paths
+_CSRC = os.path.relpath(os.path.dirname(os.path.abspath(__file__)))  # setuptools wants relative paths
 
 
 def _declarations(header: str) -> str:

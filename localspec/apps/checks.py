@@ -1,0 +1,110 @@
+"""Request checks shared by the front ends that take JSON (the editor protocol and the HTTP API):
+numbers in range, Unicode text, true/false flags, the sampling fields, a draft length within
+K_LIMIT, JSON without NaN/Infinity, and what a client is told about the model. Each front end
+passes the exception it answers with; the rules and their messages live here once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Callable, Optional
+
+from ..policy.config import K_LIMIT
+from ..spec.config import PROPOSERS
+from ..spec.sampling import SamplingParams
+
+Fail = Callable[[str, str], Exception]    # (field, message) -> the front end's error
+
+
+def no_constants(name: str):
+    """json.loads(parse_constant=...): NaN, Infinity and -Infinity are not JSON."""
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class Checks:
+    """One front end's field checks. `null_is_absent`: a field sent as null takes its default
+    (OpenAI's convention); otherwise null is a wrong type like any other.
+
+    Example: number({"top_p": 2}, "top_p", 0.95, 0.0, 1.0) raises fail("top_p", "'top_p' must
+    be between 0.0 and 1.0, got 2").
+    """
+
+    def __init__(self, fail: Fail, null_is_absent: bool = False):
+        self.fail, self.null_is_absent = fail, null_is_absent
+
+    def _absent(self, params: dict, name: str) -> bool:
+        return name not in params or (self.null_is_absent and params[name] is None)
+
+    def number(self, params: dict, name: str, default, lo=None, hi=None, integer=False,
+               lo_open=False):
+        """params[name] as a finite number (an integer if `integer`) in range, or `default`."""
+        if self._absent(params, name):
+            return default
+        v = params[name]
+        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) \
+                or not math.isfinite(v):
+            kind = "an integer" if integer else "a number"
+            raise self.fail(name, f"'{name}' must be {kind}, got {json.dumps(v)}")
+        if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+            need = f"between {lo} and {hi}" if hi is not None else \
+                f"{'above' if lo_open else 'at least'} {lo}"
+            raise self.fail(name, f"'{name}' must be {need}, got {v}")
+        return v
+
+    def text(self, value, name: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(name, f"'{name}' must be a string")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:   # a lone surrogate escape such as "\ud800"
+            raise self.fail(name, f"'{name}' contains an unpaired surrogate (not valid "
+                                  "Unicode text)") from None
+        return value
+
+    def flag(self, params: dict, name: str, default: bool) -> bool:
+        if self._absent(params, name):
+            return default
+        if not isinstance(params[name], bool):
+            raise self.fail(name, f"'{name}' must be true or false")
+        return params[name]
+
+    def seed(self, params: dict, name: str = "seed") -> Optional[int]:
+        v = params.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise self.fail(name, f"'{name}' must be an integer or null")
+        return v
+
+    def sampling(self, params: dict, temperature_max: Optional[float] = None) -> SamplingParams:
+        """The sampler chain's fields, each checked, with SamplingParams' defaults."""
+        d = SamplingParams()
+        return SamplingParams(
+            temperature=self.number(params, "temperature", d.temperature, 0.0, temperature_max),
+            top_k=self.number(params, "top_k", d.top_k, 0, integer=True),
+            top_p=self.number(params, "top_p", d.top_p, 0.0, 1.0),
+            min_p=self.number(params, "min_p", d.min_p, 0.0, 1.0),
+            repeat_penalty=self.number(params, "repeat_penalty", d.repeat_penalty, 0.0,
+                                       lo_open=True),
+            seed=self.seed(params))
+
+    def draft_length(self, params: dict, name: str) -> Optional[int]:
+        """A fixed number of drafts per step (None: adaptive), at most K_LIMIT: a longer one is
+        an error, never a silent cap."""
+        if params.get(name) is None:
+            return None
+        return self.number(params, name, None, 0, K_LIMIT, integer=True)
+
+
+def model_info(engine) -> dict:
+    """What a client is told about the served model."""
+    model = engine.model
+    return {"path": str(model.path), "description": model.describe(),
+            "n_ctx": engine.ctx.n_ctx, "n_ctx_train": model.n_ctx_train,
+            "n_vocab": model.n_vocab, "chat_template": model.chat_template() is not None}
+
+
+def speculation_info(engine) -> dict:
+    """How the server speculates: its --proposer, what drafts tokens, the draft length."""
+    cfg = engine.config
+    return {"proposer": cfg.proposer, "proposers": list(PROPOSERS[cfg.proposer]),
+            "k_max": cfg.policy.k_max, "fixed_k": cfg.policy.fixed_k}
