@@ -6,10 +6,12 @@ Standard library only: the bottom layer, used by the llama door, calibration and
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import tempfile
 import traceback
 from pathlib import Path
+from typing import Optional
 
 from .errors import LocalspecError
 
@@ -54,6 +56,25 @@ def write_crash_report(exc: BaseException) -> Path:
         except (OSError, LocalspecError):
             continue
     raise exc
+
+
+# What the system answers when the machine, not localspec, is in the way: a full disk or quota, a
+# file too large, a read-only or failing disk, no permission, a folder where a file should be.
+_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EACCES,
+                  errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EMFILE, errno.ENFILE}
+
+
+def system_error_line(exc: OSError) -> Optional[str]:
+    """The one line for an OSError that the machine caused (disk full, no permission...), or
+    None when it looks like a bug. Example: "No space left on device (writing
+    /home/u/.cache/localspec/x): free some space or point LOCALSPEC_HOME elsewhere"."""
+    if exc.errno not in _SYSTEM_ERRNOS:
+        return None
+    where = f" ({exc.filename})" if exc.filename else ""
+    hint = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
+            errno.EFBIG: "the file system refuses a file this large"}.get(
+        exc.errno, "check the path and its permissions")
+    return f"{exc.strerror or exc}{where}: {hint}, or point LOCALSPEC_HOME elsewhere."
 
 
 def internal_error_line(exc: BaseException) -> str:

@@ -183,19 +183,19 @@ def test_a_repeat_round_reproduces_the_cold_round(tiny_path, small_workloads):
     """Warm rounds re-evaluate the prompt's last prefill chunk with its cold batch shape: same
     first logits, same output, without prefilling the whole prompt again."""
     from localspec.bench.engine_run import run_engine
-    from localspec.spec.engine import PREFILL_CHUNK
+    from localspec.llama import PREFILL_GRID
     from localspec.spec.sampling import SamplingParams
 
     case = load_workloads(small_workloads, ids=["sum-pass"])[0]
     with Bench(parse_modes("plain"), BenchSettings(str(tiny_path), n_ctx=2048)) as b:
         engine = b.engines["plain"]
         n_prompt = len(engine.tokenize_prompt(case.messages()))
-        assert n_prompt > PREFILL_CHUNK          # more than one chunk, so some rows are kept
+        assert n_prompt > PREFILL_GRID          # more than one chunk, so some rows are kept
         cold = run_engine(engine, case, SamplingParams(), 16)
         warm = run_engine(engine, case, SamplingParams(), 16, cold=False)
         assert warm.tokens == cold.tokens
-        assert warm.stats.prefill_tokens == n_prompt - (n_prompt - 1) // PREFILL_CHUNK * \
-            PREFILL_CHUNK
+        assert warm.stats.prefill_tokens == n_prompt - (n_prompt - 1) // PREFILL_GRID * \
+            PREFILL_GRID
         assert cold.stats.prefill_tokens == n_prompt
 
 

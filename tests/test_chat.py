@@ -22,6 +22,7 @@ import pytest
 from localspec.apps.chat import ChatConfig, ChatLoop, ChatSession, sigint_cancels
 from localspec.spec.engine import Engine, EngineConfig
 from localspec.errors import LocalspecError
+from localspec.llama import PREFILL_GRID
 
 # A system prompt and message whose greedy reply on the tiny model runs past 2000 tokens without an
 # end-of-sequence token (found by search): long enough to interrupt mid-reply.
@@ -85,10 +86,12 @@ def test_new_turn_evaluates_only_its_own_tokens(tiny_path, home):
             evaluated.append(reply.stats.prefill_tokens)
     assert evaluated[0] == prompts[0]
     for n in range(1, len(messages)):
-        # new = the previous reply as re-rendered + this user message + the template around them
-        assert evaluated[n] <= prompts[n] - prompts[n - 1], (prompts, evaluated)
-    assert prompts[-1] > 4 * evaluated[-1], (prompts, evaluated)
-    assert max(evaluated[1:]) - min(evaluated[1:]) < 40, evaluated   # no growth with history
+        # new = the previous reply as re-rendered + this user message + the template around them,
+        # and the previous prompt's rows past its last whole prefill chunk (cached equals cold)
+        tail = prompts[n - 1] % PREFILL_GRID
+        assert evaluated[n] <= prompts[n] - prompts[n - 1] + tail, (prompts, evaluated)
+    assert prompts[-1] > 3 * evaluated[-1], (prompts, evaluated)
+    assert max(evaluated[1:]) - min(evaluated[1:]) < PREFILL_GRID + 40, evaluated   # no growth
 
 
 def test_interrupted_reply_is_kept_and_session_goes_on(tiny_path, home):
@@ -114,7 +117,10 @@ def test_interrupted_reply_is_kept_and_session_goes_on(tiny_path, home):
         prompt_before = session.count_tokens()
         reply3 = session.send("ok")
         assert not reply3.interrupted
-        assert reply3.stats.prefill_tokens < reply3.stats.prompt_tokens - prompt_before + 40
+        # the rows kept are the previous prompt's whole prefill chunks (cached equals cold)
+        assert reply3.stats.prompt_tokens > prompt_before
+        assert reply3.stats.reused_tokens == \
+            reply2.stats.prompt_tokens // PREFILL_GRID * PREFILL_GRID
         assert session.total.generated_tokens == sum(
             r.stats.generated_tokens for r in (reply, reply2, reply3))
 
@@ -320,8 +326,8 @@ def test_terminal_ctrl_c_mid_reply_then_ctrl_d(tiny_path, home):
 
 def test_save_and_resume_continue_without_rereading(tiny_path, home):
     """--save keeps the turns and the KV rows; --resume brings both back, so the next message
-    evaluates only its own tokens (from "disk", not the whole conversation), and the reply is
-    the one an uninterrupted chat would have given."""
+    does not re-read the whole conversation, and the reply is the one an uninterrupted chat
+    would have given."""
     first = ["tell me about the sea " * 4, "and about rivers " * 4]
     rc, out1, err = run_piped(tiny_path, home, "\n".join(first) + "\n", "-n", "12",
                               "--save", "notes")
@@ -335,7 +341,38 @@ def test_save_and_resume_continue_without_rereading(tiny_path, home):
     last = next(line for line in err.splitlines() if line.startswith("last reply:"))
     prompt, evaluated, reused = map(int, re.search(
         r"prompt (\d+) \((\d+) evaluated, (\d+) reused", last).groups())
-    # only the new message and its template around it are read (byte tokens on the tiny model)
-    assert evaluated == prompt - reused and reused > 3 * evaluated, last
+    # read again: the new message with its template, and the conversation's tail past its last
+    # whole prefill chunk (byte tokens on the tiny model; cached equals cold)
+    assert evaluated == prompt - reused and reused > 0 and reused % PREFILL_GRID == 0, last
+    assert evaluated < PREFILL_GRID + 60, last
     rc, _, err = run_piped(tiny_path, home, "", "--resume", "no-such-chat")
     assert rc == 1 and "no saved session named 'no-such-chat'" in err and "notes" in err
+
+
+def test_piped_chat_whose_replies_all_fail_exits_non_zero_with_a_line_each(tiny_path, home):
+    """Each message gets its line on stdout, even an empty one, so a script can pair input
+    and output lines; no reply at all is a failure of the run."""
+    too_long = "far too long " * 40
+    rc, out, err = run_piped(tiny_path, home, f"{too_long}\n{too_long}\n", "--ctx", "64", "-n", "8")
+    assert rc == 1 and out == "\n\n", (rc, out, err)
+    assert err.count("it was not sent") == 2 and "error: no message got a reply (2 failed" in err
+    assert "Traceback" not in err
+
+
+def test_chat_save_on_a_full_disk_is_one_error_line(tiny_path, home):
+    """A file-size limit makes every write past 2 KB fail as a full disk does (EFBIG, as ENOSPC
+    would): the save fails with one error line and exit 1, never "this is a bug"."""
+    import resource
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    proc = subprocess.run(cli(tiny_path, "-n", "8", "--save", "full"),
+                          input=b"hello there, a message long enough\n", capture_output=True,
+                          env=cli_env(home), timeout=60, preexec_fn=small_files)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "could not save 'full'" in lines[0] and "bug" not in err, err
+    assert not list((home / "prompt-cache" / "sessions").glob(".*.tmp"))   # nothing half-written

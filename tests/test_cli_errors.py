@@ -201,3 +201,50 @@ def test_a_draft_length_over_the_limit_is_a_usage_error(tiny_path, home):
     r = cli(*gen(tiny_path, "--proposer", "ngram", "--k", "17"), home=home)
     err = r.stderr.decode()
     assert r.returncode == 2 and "--k" in err and "0<=x<=16" in err and r.stdout == b"", err
+
+
+@pytest.mark.parametrize("option,value", [("-t", "nan"), ("--top-p", "nan"), ("--min-p", "inf"),
+                                          ("--repeat-penalty", "-inf"), ("--repeat-penalty", "0"),
+                                          ("--cache-mb", "inf"), ("-t", "warm")])
+def test_float_options_refuse_what_json_requests_refuse(tiny_path, home, option, value):
+    """NaN and infinity are usage errors on the command line as in HTTP and stdio requests (one
+    rule, apps.checks.number_problem), never a sampler fed NaN."""
+    r = cli(*gen(tiny_path, option, value, "hello"), home=home)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and option in err and r.stdout == b"", err
+    assert "Traceback" not in err
+
+
+def test_bench_float_options_use_the_same_rule(home):
+    r = cli("bench", "--top-p", "nan", home=home)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "--top-p" in err and "finite" in err, err
+
+
+def test_zeroed_weights_are_named_as_damage_not_printed_as_empty_output(tmp_path, home):
+    """A model whose output weights are all zero gives every token the same logit: flagged as
+    damaged, as NaN weights are, instead of an empty answer at once."""
+    zeroed = make_tiny_gguf(tmp_path / "zeroed.gguf", seed=0, logit_scale=0.0)
+    r = cli(*gen(zeroed), "hello", home=home)
+    one_error(r, "identical logits", "corrupt")
+    assert r.stdout.strip() == b""
+
+
+def test_a_folder_in_the_way_of_a_file_is_one_line_or_a_warning(tiny_path, home, monkeypatch):
+    """A folder where the calibration file goes: the run measures, warns, answers (exit 0); a
+    folder where a catalog model goes: one error line (exit 1), not a crash report (exit 70)."""
+    args = gen(tiny_path, "--proposer", "ngram")
+    assert cli(*args, "hi", home=home).returncode == 0
+    for f in (home / "calibration").glob("*.json"):
+        f.unlink()
+        f.mkdir()
+    r = cli(*args, "hi", home=home)
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "could not keep the cost curve" in err and "Traceback" not in err
+    from localspec.catalog.models import get_entry, model_path
+
+    monkeypatch.setenv("LOCALSPEC_HOME", str(home))
+    where = model_path(get_entry("smollm2-135m"))
+    assert str(where).startswith(str(home))
+    where.mkdir(parents=True)
+    one_error(cli("generate", "-m", "smollm2-135m", "hi", home=home), "in the way")

@@ -146,16 +146,16 @@ class CancelAfter(threading.Event):
 
 @pytest.mark.parametrize("looks", [1, 2, 3])
 def test_cancel_during_prefill_stops_between_chunks(tiny_model, looks):
-    """Prefill runs in chunks of PREFILL_CHUNK tokens and looks at the cancel flag before each:
+    """Prefill runs in chunks of PREFILL_GRID tokens and looks at the cancel flag before each:
     a long prompt stops within one chunk, and the next request is as good as new."""
-    from localspec.spec.engine import PREFILL_CHUNK
+    from localspec.llama import PREFILL_GRID
 
     prompt = "word " * 200                       # ~1400 byte tokens: several chunks
     with Engine(tiny_model, EngineConfig(proposer="none", n_ctx=2048, n_threads=1,
                                          exact=EXACT)) as engine:
         gen = engine.generate(prompt, max_tokens=8, cancel=CancelAfter(looks))
         assert gen.complete_tokens() == [] and gen.stats.stop_reason == "cancelled"
-        assert gen.stats.prefill_tokens == (looks - 1) * PREFILL_CHUNK
-        assert engine.ctx.rows_held() == engine.ctx.n_past == (looks - 1) * PREFILL_CHUNK
+        assert gen.stats.prefill_tokens == (looks - 1) * PREFILL_GRID
+        assert engine.ctx.rows_held() == engine.ctx.n_past == (looks - 1) * PREFILL_GRID
         again = engine.generate(PROMPTS[0], max_tokens=12).complete_tokens()
     assert again == reference(tiny_model, PROMPTS[0], 12)

@@ -443,3 +443,51 @@ def test_a_full_queue_answers_503_with_retry_after(faulty, tiny_path):
     waiting.close()
     faulty.wait_idle()          # both clients left: the running one is cancelled, the other skipped
     assert faulty.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_an_empty_api_key_is_refused_before_anything_loads(tiny_path, home, key):
+    env = {**os.environ, "LOCALSPEC_HOME": str(home)}
+    env.pop("LOCALSPEC_API_KEY", None)
+    r = subprocess.run([sys.executable, "-m", "localspec", "serve", "--http", "127.0.0.1:0",
+                        "-m", str(tiny_path), "--api-key", key],
+                       capture_output=True, env=env, timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "--api-key" in err and "empty key" in err, err
+    assert "serving" not in err and "Traceback" not in err
+
+
+def read_to_end(sock, timeout=60) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        got = sock.recv(65536)
+        if not got:
+            return data
+        data += got
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_the_server_ends_every_request_with_an_error_its_client_sees(tiny_path, home,
+                                                                              sig):
+    """At SIGTERM/Ctrl-C a running stream ends with an in-band error (not a finish_reason of
+    "stop" on a cut answer) and a queued request gets 503."""
+    srv = Server(tiny_path, home, "--api-key", KEY, "--queue", "2", "--ctx", "8192")
+    try:
+        long = {"prompt": LONG_PROMPT, "max_tokens": 1_000_000}
+        running = srv.open_stream(long)
+        queued = srv.open_stream(long, wait_for_data=False)
+        deadline = time.monotonic() + 30
+        while srv.get("/health")[1]["queue"]["waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        srv.proc.send_signal(sig)
+        stream, waited = read_to_end(running), read_to_end(queued)
+        assert b"server_shutting_down" in stream and b'"finish_reason":"stop"' not in stream \
+            and b"[DONE]" not in stream, stream[-600:]
+        assert waited.startswith(b"HTTP/1.1 503") and b"server_shutting_down" in waited, waited
+        srv.proc.wait(timeout=30)
+        assert "Traceback" not in srv.err(), srv.err()
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()

@@ -4,10 +4,14 @@ processes share a cache folder without damaging each other's entries."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -361,6 +365,71 @@ def test_damaged_files_are_ignored_with_one_line(tiny_model, tmp_path, capsys, d
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(path) in err[0] and reason in err[0], err
     assert not path.exists()                             # removed: it can never load
+
+
+def damage_negative_sizes(path):
+    """Header sizes that add up to the file's length but are negative (a reader that trusted
+    them would read -8 bytes of tokens)."""
+    data = path.read_bytes()
+    _, version, n_header = struct.unpack("<8sII", data[:16])
+    header = json.loads(data[16:16 + n_header])
+    header["n_tokens"], header["payload_bytes"] = -2, header["payload_bytes"] + 4 * \
+        header["n_tokens"] + 8
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<8sII", b"LSPCACHE", version, len(raw)) + raw +
+                     data[16 + n_header:])
+
+
+def test_negative_sizes_are_refused_like_any_damage(tiny_model, tmp_path, capsys):
+    d, path = stored_on_disk(tiny_model, tmp_path)
+    damage_negative_sizes(path)
+    capsys.readouterr()
+    with Context(tiny_model, PARAMS) as ctx:
+        reuse, _ = Session(PromptCache(64, disk_dir=tmp_path), ctx).prefill(d + [60, 61])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert reuse.reused == 0 and len(err) == 1 and "negative sizes" in err[0], err
+    assert not path.exists()
+
+
+def test_a_folder_where_an_entry_should_be_is_skipped_with_one_warning(tiny_model, tmp_path,
+                                                                       capsys):
+    """Not an error on every request until someone deletes it: one line, then the cache works
+    around it (and stores and evicts as usual)."""
+    d, path = stored_on_disk(tiny_model, tmp_path)
+    path.unlink()
+    path.mkdir()
+    capsys.readouterr()
+    with Context(tiny_model, PARAMS) as ctx:
+        s = Session(PromptCache(64, disk_dir=tmp_path, disk_mb=1), ctx)
+        for tail in ([60, 61], [62, 63], [64]):
+            ctx.clear()
+            reuse, logits = s.prefill(d + tail)
+            assert reuse.reused == 0
+            assert same_logits(logits, fresh_logits(tiny_model, d + tail[:-1], tail[-1:])[-1])
+        assert s.cache.store(ctx)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "skipping" in err[0], err
+
+
+def test_temporary_files_of_a_killed_save_are_removed_and_live_ones_counted(tiny_model,
+                                                                            tmp_path):
+    d, path = stored_on_disk(tiny_model, tmp_path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()                                    # a pid that no longer runs
+    stale = path.parent / f".{path.name}.{gone.pid}.0badc0de.tmp"
+    live = path.parent / f".{path.name}.{os.getpid()}.0000beef.tmp"
+    size = path.stat().st_size
+    for tmp in (stale, live):
+        tmp.write_bytes(bytes(size))
+        os.utime(tmp, (time.time() - 3600, time.time() - 3600))
+    with Context(tiny_model, PARAMS) as ctx:
+        ctx.decode(doc(tiny_model, "diks"), logits="none")      # as long as "disk"
+        cache = PromptCache(64, disk_dir=tmp_path, disk_mb=2.5 * size / 2**20)
+        assert cache.store(ctx)
+    assert not stale.exists() and live.exists()
+    entries = list(tmp_path.glob("*/*" + SUFFIX))
+    assert entries and path not in entries      # old + new + the live temp file: over budget
+    assert len(entries) == 1
 
 
 def test_a_file_of_another_model_is_never_loaded(tiny_model, draft_model, tmp_path, capsys):

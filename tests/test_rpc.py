@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -97,3 +98,71 @@ def test_rpc_server_refuses_a_non_loopback_host_and_a_taken_port(home, rpc_port)
     assert r.returncode == 1 and "cannot listen" in r.stderr.decode()
     helptext = localspec("rpc-server", "--help", home=home).stdout.decode()
     assert "unauthenticated" in helptext and "--allow-remote" in helptext
+
+
+def start_server(home, port):
+    log = open(home / f"rpc-server-{port}.txt", "w+b")
+    proc = subprocess.Popen([sys.executable, "-m", "localspec", "rpc-server", "--port", str(port),
+                             "--threads", "1"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "LOCALSPEC_HOME": str(home)})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            probe(f"127.0.0.1:{port}", timeout=5)
+            return proc, log
+        except LocalspecError:
+            assert proc.poll() is None and time.monotonic() < deadline, log_text(log)
+            time.sleep(0.2)
+
+
+def send_frame(port: int, cmd: int, payload: bytes) -> bytes:
+    """HELLO, then one command frame (cmd byte, u64 size, payload); what came back."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(bytes([14]) + struct.pack("<Q", 24) + bytes(24))
+        s.recv(256)
+        s.sendall(bytes([cmd]) + struct.pack("<Q", len(payload)) + payload)
+        try:
+            return s.recv(256)
+        except OSError:
+            return b""
+
+
+def test_a_malformed_frame_costs_one_connection_not_the_server(tiny_path, rpc_port, home):
+    """GRAPH_COMPUTE naming a node that no tensor defines crashes ggml's server (upstream input
+    checking): the worker is restarted and the next client is served as before."""
+    send_frame(rpc_port, 10, struct.pack("<IIQI", 0, 1, 0, 0))     # device 0, node id 0, no tensors
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            probe(f"127.0.0.1:{rpc_port}", timeout=5)
+            break
+        except LocalspecError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert "serving again" in (home / "rpc-server.txt").read_text(errors="replace")
+    args = ["generate", "-m", str(tiny_path), "--threads", "1", "-n", "16", PROMPT]
+    remote = localspec(*args, "--rpc", f"127.0.0.1:{rpc_port}", home=home)
+    assert remote.returncode == 0 and remote.stdout == localspec(*args, home=home).stdout
+
+
+def test_a_server_killed_mid_request_is_one_error_line(tiny_path, home):
+    port = free_port()
+    server, log = start_server(home, port)
+    client = subprocess.Popen([sys.executable, "-m", "localspec", "generate", "-m", str(tiny_path),
+                               "--threads", "1", "-n", "100000", "--rpc", f"127.0.0.1:{port}",
+                               "prompt 54: eeeee"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "LOCALSPEC_HOME": str(home)})
+    try:
+        assert client.stdout.read(20)                # generating, its layers on the server
+        server.kill()                                # and its worker with it (PR_SET_PDEATHSIG)
+        _, err = client.communicate(timeout=60)
+    finally:
+        for p in (client, server):
+            if p.poll() is None:
+                p.kill()
+        log.close()
+    text = err.decode(errors="replace")
+    assert client.returncode == 1, text
+    lines = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and f"RPC server 127.0.0.1:{port}" in lines[0], text
+    assert "Traceback" not in text and "gdb" not in text and "backtrace" not in text, text

@@ -57,7 +57,7 @@ class ScriptedContext:
         rows = np.array(rows)
         return {"last": rows[-1:], "all": rows, "none": rows[:0]}[logits]
 
-    def sync(self, tokens, stop=None, chunk=0):
+    def sync(self, tokens, stop=None, grid=0):
         self.tokens = list(tokens[:-1])
         return self.decode(tokens[-1:])[0], 0
 

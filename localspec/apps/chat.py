@@ -257,6 +257,7 @@ class ChatLoop:
         self.session, self.read_line, self.out, self.err = session, read_line, out, err
         self.interactive, self.show_stats, self.guard = interactive, show_stats, guard
         self.save_as: Optional[str] = None     # where /save (no name) and the exit save go
+        self.replies = self.failed = 0         # messages sent, and those that got no reply
 
     def run(self) -> None:
         while True:
@@ -332,11 +333,15 @@ class ChatLoop:
             self.out.flush()
             wrote = True
 
+        self.replies += 1
         try:
             with self.guard(cancel):
                 reply = self.session.send(text, write, cancel)
         except LocalspecError as e:     # e.g. the message alone does not fit: say so, carry on
-            self._say(str(e))
+            self.failed += 1
+            self.out.write("\n")        # one line per message on stdout, as a reply would end
+            self.out.flush()
+            self._say(f"error: {e}")
             return
         if wrote or not reply.interrupted:
             self.out.write("\n")

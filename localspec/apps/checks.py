@@ -22,6 +22,21 @@ def no_constants(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+def number_problem(v, lo=None, hi=None, integer=False, lo_open=False) -> Optional[str]:
+    """What is wrong with `v` as a number of this range ("must be ..."), or None. The one rule
+    for numbers from JSON requests and command-line options alike: finite, in range.
+
+    Example: number_problem(float("nan"), 0.0) == "must be a finite number".
+    """
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) \
+            or not math.isfinite(v):
+        return "must be an integer" if integer else "must be a finite number"
+    if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+        return f"must be between {lo} and {hi}" if hi is not None else \
+            f"must be {'above' if lo_open else 'at least'} {lo}"
+    return None
+
+
 class Checks:
     """One front end's field checks. `null_is_absent`: a field sent as null takes its default
     (OpenAI's convention); otherwise null is a wrong type like any other.
@@ -42,14 +57,9 @@ class Checks:
         if self._absent(params, name):
             return default
         v = params[name]
-        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) \
-                or not math.isfinite(v):
-            kind = "an integer" if integer else "a number"
-            raise self.fail(name, f"'{name}' must be {kind}, got {json.dumps(v)}")
-        if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
-            need = f"between {lo} and {hi}" if hi is not None else \
-                f"{'above' if lo_open else 'at least'} {lo}"
-            raise self.fail(name, f"'{name}' must be {need}, got {v}")
+        problem = number_problem(v, lo, hi, integer, lo_open)
+        if problem:
+            raise self.fail(name, f"'{name}' {problem}, got {json.dumps(v)}")
         return v
 
     def text(self, value, name: str) -> str:

@@ -46,6 +46,7 @@ class Job:
         self.cancel = threading.Event()
         self.admitted = time.monotonic()
         self.started: Optional[float] = None
+        self.shutdown = False           # cancelled because the server is stopping
 
     def emit(self, *event) -> None:
         try:
@@ -68,6 +69,7 @@ class Worker:
         self._lock = threading.Lock()
         self._mean_s = 1.0                  # running mean of a job's duration, for Retry-After
         self._running = False
+        self.closing = False                # SIGTERM/Ctrl-C seen: no new work
         self._thread = threading.Thread(target=self._loop, name="localspec-engine", daemon=True)
         self.max_queue = max_queue
 
@@ -77,6 +79,8 @@ class Worker:
     def submit(self, job: Job) -> None:
         """Queue `job`, or answer 503 with a Retry-After estimate when the queue is full."""
         with self._lock:
+            if self.closing:
+                raise shutting_down()
             try:
                 self._queue.put_nowait(job)
             except queue.Full:
@@ -93,8 +97,12 @@ class Worker:
         return self._running
 
     def cancel_all(self) -> None:
+        """The server is stopping: refuse new jobs; queued and running ones end at once with a
+        503 their clients see (in-band on a stream), never as a finished answer."""
         with self._lock:
+            self.closing = True
             for job in self._pending:
+                job.shutdown = True
                 job.cancel.set()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -118,6 +126,8 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         job.started = time.monotonic()
+        if job.shutdown:
+            return job.emit("error", shutting_down())
         if job.cancel.is_set():             # its client left while it waited: never started
             return job.emit("done", "", GenerationStats(stop_reason="cancelled"))
         try:
@@ -134,6 +144,8 @@ class Worker:
                 job.emit("piece", piece)
         except Exception as e:
             return job.emit("error", internal_error(e))
+        if job.shutdown:                    # cut short: not an answer that merely ended early
+            return job.emit("error", shutting_down())
         job.emit("done", gen.text, gen.stats)
 
     def _start(self, job: Job):
@@ -153,6 +165,11 @@ class Worker:
         return engine.generate(tokens, req.sampling, max_tokens=req.max_tokens or n_ctx,
                                stop=req.stop, document=req.document, speculate=req.speculate,
                                cancel=job.cancel, policy=policy)
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; this request was not completed",
+                    code="server_shutting_down")
 
 
 def internal_error(e: Exception) -> ApiError:

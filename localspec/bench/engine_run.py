@@ -13,32 +13,23 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from ..spec.engine import PREFILL_CHUNK, Engine
+from ..spec.engine import Engine
 from ..spec.sampling import SamplingParams
 from .timing import Outcome, Ticker
 from .workloads import Case
-
-
-def keep_all_but_last_chunk(engine: Engine, n_prompt: int) -> None:
-    """A repeat round of the case the engine ran last: keep its prompt's KV rows except the last
-    prefill chunk, which the request then evaluates again with the batch shape it had when cold,
-    so the first logits row, and the output, are the cold round's bit for bit (the last token
-    decoded alone would round differently and can flip a near-tie). Decoding is the same work."""
-    engine.ctx.truncate(engine.ctx.last_chunk_start(n_prompt, PREFILL_CHUNK))
 
 
 class EngineRun:
     """One request of `case` on `engine`, advanced a piece of text at a time by `turn()`, with
     the time spent inside its own calls summed. Cold: the previous request's KV rows are
     forgotten so the whole prompt is prefilled (the engine would otherwise reuse the shared
-    chat-template prefix); warm: a repeat round (keep_all_but_last_chunk)."""
+    chat-template prefix); warm: a repeat round, which keeps the prompt's rows the way every
+    request does (whole prefill chunks only, so its output is the cold round's bit for bit)."""
 
     def __init__(self, engine: Engine, case: Case, sampling: SamplingParams, max_tokens: int,
                  cold: bool = True):
         if cold:
             engine.reset()
-        else:
-            keep_all_but_last_chunk(engine, len(engine.tokenize_prompt(case.messages())))
         self.case, self.cold = case, cold
         t0 = time.perf_counter()
         self.gen = engine.generate(case.messages(), sampling, max_tokens=max_tokens)

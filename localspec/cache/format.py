@@ -15,18 +15,43 @@ import os
 import secrets
 import struct
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ..catalog.models import known_models, model_path
-from ..llama import Context, Model, backend_version, system_info, tiled_matmul_off
+from ..llama import (Context, Model, backend_version, cold_prefix, system_info,
+                     tiled_matmul_off)
 
 MAGIC = b"LSPCACHE"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<8sII")          # magic, format version, header length
 SUFFIX = ".lskv"
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix. Example: common_prefix([1, 2, 3], [1, 2, 4]) == 2."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass
+class Entry:
+    """A saved KV state: in RAM (data), on disk (path), or both."""
+
+    key: str                       # context_key() of the context it was saved from
+    tokens: np.ndarray             # [n] int32: the tokens whose KV rows the state holds
+    data: Optional[np.ndarray]     # [nbytes] uint8 state; None while it lives on disk only
+    path: Optional[Path] = None    # its disk copy, if any
+    nbytes: int = 0
+    clean: tuple = (0, 0)          # Context.clean when saved: the rows a grid prefill may keep
+
+    def usable(self, prompt: Sequence[int], grid: int) -> int:
+        """Rows of this state a prefill of `prompt` on `grid` may keep (Context.sync)."""
+        return cold_prefix(common_prefix(self.tokens, prompt), self.clean, grid)
 
 
 class Rejected(Exception):
@@ -87,15 +112,17 @@ def context_key(ctx: Context) -> str:
 
 
 def write_file(path: Path, key: str, tokens, data: np.ndarray, model_name: str,
-               meta: Optional[dict] = None) -> int:
+               meta: Optional[dict] = None, clean: tuple = (0, 0)) -> int:
     """Write an entry atomically (temp file in the same dir, then os.replace): a reader sees the
-    old file or the new one, never half of one. Returns the file size."""
+    old file or the new one, never half of one. `clean`: the saved context's Context.clean.
+    Returns the file size."""
     toks = np.ascontiguousarray(tokens, dtype="<i4")
     digest = hashlib.sha256(toks.tobytes())
     digest.update(memoryview(data))
     header = json.dumps({"key": key, "model": model_name, "n_tokens": int(toks.size),
                          "payload_bytes": int(data.size), "sha256": digest.hexdigest(),
-                         "created": time.time(), "meta": meta or {}}).encode()
+                         "created": time.time(), "meta": meta or {},
+                         "clean": [int(clean[0]), int(clean[1])]}).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -126,6 +153,9 @@ def read_header(f) -> tuple:
             n_tokens, n_payload = int(header["n_tokens"]), int(header["payload_bytes"])
         except (ValueError, KeyError, TypeError):
             raise Rejected("its header is corrupt") from None
+        if n_tokens < 0 or n_payload < 0:
+            raise Rejected(f"its header gives negative sizes ({n_tokens} tokens, "
+                           f"{n_payload} bytes)")
         want = _PREFIX.size + n_header + 4 * n_tokens + n_payload
         if st.st_size != want:
             raise Rejected(f"truncated or padded ({st.st_size} bytes, its header says {want})")
@@ -134,6 +164,17 @@ def read_header(f) -> tuple:
         raise
     tokens = np.frombuffer(f.read(4 * n_tokens), dtype="<i4").astype(np.int32)
     return header, tokens
+
+
+def clean_of(header: dict) -> tuple:
+    """The saved context's Context.clean from a header; (0, 0), nothing reusable on the grid,
+    when absent (files of earlier versions) or not a consistent pair."""
+    try:
+        n_clean, grid = (int(x) for x in header.get("clean", (0, 0)))
+    except (TypeError, ValueError):
+        return (0, 0)
+    ok = grid > 0 and 0 <= n_clean <= int(header["n_tokens"]) and n_clean % grid == 0
+    return (n_clean, grid) if ok else (0, 0)
 
 
 def read_file(path: Path, key: Optional[str]) -> tuple:

@@ -30,8 +30,6 @@ Integration contract (engine, draft model, front ends):
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 import sys
 import time
@@ -42,11 +40,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .format import (SUFFIX, Rejected, context_key, read_file, read_header,
-                           write_file)
-from ..catalog.pull import exclusive_lock
 from ..errors import LocalspecError
-from ..llama import Context, Model
+from ..llama import Context, Model, cold_prefix
+from .disk import DiskFolder, touch
+from .format import (SUFFIX, Entry, Rejected, clean_of, common_prefix, context_key, read_file,
+                     read_header, write_file)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -63,36 +61,12 @@ class Reuse:
 
 
 @dataclass
-class Entry:
-    key: str                       # context_key() of the context it was saved from
-    tokens: np.ndarray             # [n] int32: the tokens whose KV rows the state holds
-    data: Optional[np.ndarray]     # [nbytes] uint8 state; None while it lives on disk only
-    path: Optional[Path] = None    # its disk copy, if any
-    nbytes: int = 0
-
-
-@dataclass
 class Session:
     """A named save: its tokens, its metadata (e.g. chat turns), and how its KV came back."""
 
     tokens: list
     meta: dict
     reuse: Reuse = field(default_factory=Reuse)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix. Example: common_prefix([1, 2, 3], [1, 2, 4]) == 2."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
-    return int(diff[0]) if diff.size else n
-
-
-def _touch(path: Path) -> None:
-    """Mark a disk entry recently used (the disk budget evicts by mtime, oldest first)."""
-    try:
-        os.utime(path)
-    except OSError:
-        pass
 
 
 def default_budget_mb(model: Model, n_ctx: int) -> int:
@@ -127,7 +101,7 @@ class PromptCache:
         self._entries: OrderedDict = OrderedDict()   # id -> Entry, least recently used first
         self._next_id = 0
         self.used = 0                                # bytes of states held in RAM
-        self._disk_index: dict = {}                  # path -> ((size, mtime_ns), Entry)
+        self.disk = DiskFolder(self.disk_dir, self.disk_budget) if disk_dir is not None else None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -137,10 +111,12 @@ class PromptCache:
         return list(self._entries.values())
 
     # -- prefill --------------------------------------------------------------------------
-    def prepare(self, ctx: Context, prompt: Sequence[int]) -> Reuse:
+    def prepare(self, ctx: Context, prompt: Sequence[int], grid: int = 0) -> Reuse:
         """Leave in ctx the longest prefix of `prompt` that the live KV (ctx.tokens) or a saved
         state holds, at most len(prompt) - 1 tokens (the last one is decoded for its logits);
-        ctx.n_past == reuse.reused after. The caller decodes prompt[reuse.reused:].
+        ctx.n_past == reuse.reused after. The caller decodes prompt[reuse.reused:], with
+        ctx.sync(prompt, grid=grid): grid > 0 keeps whole on-grid chunks only (cold_prefix),
+        so the prefill's logits equal a cold one's.
 
         Example: live KV [sys, docA, q1, out1], prompt [sys, docB, q2] with docB saved earlier:
         the live state is saved (it is another document), docB's state restored and cut after
@@ -148,9 +124,8 @@ class PromptCache:
         """
         limit = len(prompt) - 1
         shared = common_prefix(ctx.tokens, prompt)
-        live = min(shared, limit)
-        entry, common, source = self._best(context_key(ctx), prompt, ctx.n_ctx)
-        common = min(common, limit)
+        live = cold_prefix(min(shared, limit), ctx.clean, grid)
+        entry, common, source = self._best(context_key(ctx), prompt[:limit], ctx.n_ctx, grid)
         if not self._covers(shared, ctx.n_past):
             self.store(ctx)               # the live state is another document: keep it first
         if entry is not None and common >= live + self.min_gain:
@@ -171,9 +146,10 @@ class PromptCache:
         n, tokens = ctx.n_past, ctx.tokens
         if n < self.min_tokens:
             return False
-        key, toks = context_key(ctx), np.asarray(tokens, dtype=np.int32)
+        key, toks, clean = context_key(ctx), np.asarray(tokens, dtype=np.int32), ctx.clean
         for eid, e in self._entries.items():
-            if e.key == key and len(e.tokens) >= n and common_prefix(e.tokens, toks) == n:
+            if e.key == key and len(e.tokens) >= n and common_prefix(e.tokens, toks) == n \
+                    and e.usable(toks, clean[1]) >= clean[0]:
                 self._entries.move_to_end(eid)
                 return False
         size = ctx.state_size()
@@ -185,11 +161,11 @@ class PromptCache:
             self._drop(eid)
             if old.path is not None:
                 old.path.unlink(missing_ok=True)
-        entry = Entry(key, toks, None, None, size)
+        entry = Entry(key, toks, None, None, size, clean)
         self._admit(entry)
         entry.data = ctx.save_state(np.empty(size, dtype=np.uint8))
-        if self.disk_dir is not None:
-            entry.path = self._write_disk(entry, ctx.model.path.name)
+        if self.disk is not None:
+            entry.path = self.disk.write(entry, ctx.model.path.name)
         return True
 
     def _covers(self, shared: int, n_old: int) -> bool:
@@ -206,9 +182,14 @@ class PromptCache:
         path = self._session_path(name)
         tokens = ctx.tokens
         data = ctx.save_state()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with exclusive_lock(self.disk_dir / ".lock"):
-            write_file(path, context_key(ctx), tokens, data, ctx.model.path.name, meta)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with self.disk.lock():
+                write_file(path, context_key(ctx), tokens, data, ctx.model.path.name, meta,
+                           ctx.clean)
+        except OSError as e:      # a full disk, a folder in the way: the old save, if any, holds
+            raise LocalspecError(f"could not save {name!r} in {path.parent}: "
+                                 f"{e.strerror or e}.") from None
         return path
 
     def load_named(self, name: str, ctx: Context) -> Session:
@@ -228,7 +209,7 @@ class PromptCache:
         start = time.perf_counter()
         try:
             _, _, data = read_file(path, context_key(ctx))
-            ctx.restore_state(data, tokens)
+            ctx.restore_state(data, tokens, clean_of(header))
         except (Rejected, LocalspecError) as e:
             ctx.clear()
             print(f"localspec: session {name!r}: not reusing its saved KV ({e}); "
@@ -253,19 +234,19 @@ class PromptCache:
         return self.disk_dir / "sessions" / (name + SUFFIX)
 
     # -- internals ------------------------------------------------------------------------
-    def _best(self, key: str, prompt: Sequence[int], n_ctx: int) -> tuple:
-        """(entry, common prefix with prompt, "ram" | "disk") of the entry that shares most with
-        `prompt`, the smaller one on a tie (cheaper to restore); (None, 0, "") when none. A disk
-        entry must share min_gain tokens more than the best RAM one: reading it costs more."""
+    def _best(self, key: str, prompt: Sequence[int], n_ctx: int, grid: int) -> tuple:
+        """(entry, rows of it usable for `prompt` on `grid`, "ram" | "disk") of the entry that
+        gives most, the smaller one on a tie (cheaper to restore); (None, 0, "") when none. A
+        disk entry must give min_gain tokens more than the best RAM one: reading costs more."""
         best, best_n, best_score, source = None, 0, 0, ""
         candidates = [(e, "ram") for e in self._entries.values() if e.key == key]
-        if self.disk_dir is not None:
+        if self.disk is not None:
             in_ram = {e.path for e, _ in candidates if e.path is not None}
-            candidates += [(e, "disk") for e in self._scan_disk(key) if e.path not in in_ram]
+            candidates += [(e, "disk") for e in self.disk.scan(key) if e.path not in in_ram]
         for e, where in candidates:
             if len(e.tokens) > n_ctx:
                 continue
-            n = common_prefix(e.tokens, prompt)
+            n = e.usable(prompt, grid)
             score = n - (self.min_gain if where == "disk" else 0)
             if score > best_score or (score == best_score and best is not None
                                       and e.nbytes < best.nbytes):
@@ -279,14 +260,14 @@ class PromptCache:
             data = entry.data
             if data is None:                          # (file names hash the tokens)
                 _, _, data = read_file(entry.path, entry.key)
-                _touch(entry.path)
-            ctx.restore_state(data, entry.tokens)
+                touch(entry.path)
+            ctx.restore_state(data, entry.tokens, entry.clean)
         except Rejected as e:
-            self._discard(entry.path, e)
+            self.disk.discard(entry.path, e)
             ctx.clear()
             return None
         except FileNotFoundError:                     # another process evicted it: no matter
-            self._disk_index.pop(entry.path, None)
+            self.disk.forget(entry.path)
             ctx.clear()
             return None
         except (OSError, LocalspecError) as e:       # unreadable; refused by llama.cpp
@@ -304,7 +285,8 @@ class PromptCache:
                 break
         else:
             if entry.nbytes <= self.budget:           # from disk: keep a RAM copy
-                self._admit(Entry(entry.key, entry.tokens, data, entry.path, entry.nbytes))
+                self._admit(Entry(entry.key, entry.tokens, data, entry.path, entry.nbytes,
+                                  entry.clean))
         return Reuse(source, common, 0, 1000 * (time.perf_counter() - start))
 
     def _admit(self, entry: Entry) -> None:
@@ -322,89 +304,3 @@ class PromptCache:
         for eid, e in list(self._entries.items()):
             if e is entry:
                 self._drop(eid)
-
-    # -- disk -----------------------------------------------------------------------------
-    def _write_disk(self, entry: Entry, model_name: str) -> Optional[Path]:
-        """Write `entry` to its key's folder (atomic), then trim the folder to the disk budget,
-        under a lock so that two processes trimming at once do not both overshoot."""
-        folder = self.disk_dir / entry.key
-        name = hashlib.sha256(entry.tokens.astype("<i4").tobytes()).hexdigest()[:24] + SUFFIX
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with exclusive_lock(self.disk_dir / ".lock"):
-                write_file(folder / name, entry.key, entry.tokens, entry.data, model_name)
-                self._trim_disk()
-        except OSError as e:
-            print(f"localspec: prompt cache: could not write to {folder} ({e}); "
-                  "keeping the state in RAM only.", file=sys.stderr)
-            return None
-        return folder / name
-
-    def _trim_disk(self) -> None:
-        files = []
-        for path in self.disk_dir.glob("*/*" + SUFFIX):
-            if path.parent.name == "sessions":        # named saves are the user's, never evicted
-                continue
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            files.append((st.st_mtime_ns, st.st_size, path))
-        total = sum(size for _, size, _ in files)
-        for _, size, path in sorted(files):
-            if total <= self.disk_budget:
-                break
-            path.unlink(missing_ok=True)
-            total -= size
-
-    def _scan_disk(self, key: str) -> list:
-        """The disk entries of `key` (headers and tokens only; payloads are read on restore).
-        A file that is not a valid entry of this key is reported once and skipped."""
-        try:
-            items = list(os.scandir(self.disk_dir / key))
-        except FileNotFoundError:
-            return []
-        found = []
-        for item in items:
-            if not item.name.endswith(SUFFIX):
-                continue
-            path = Path(item.path)
-            try:
-                st = item.stat()
-                known = self._disk_index.get(path)
-                if known is None or known[0] != (st.st_size, st.st_mtime_ns):
-                    known = self._disk_index[path] = self._read_index_entry(path, key)
-            except Rejected as e:
-                self._discard(path, e)
-                continue
-            except FileNotFoundError:
-                continue
-            found.append(known[1])
-        return found
-
-    @staticmethod
-    def _read_index_entry(path: Path, key: str) -> tuple:
-        """((size, mtime_ns), Entry without its payload) of the file now at `path`."""
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            header, tokens = read_header(f)
-        if header.get("key") != key:
-            e = Rejected(f"saved for another model or settings ({header.get('model', '?')})")
-            e.inode = st.st_ino
-            raise e
-        return (st.st_size, st.st_mtime_ns), Entry(key, tokens, None, path,
-                                                   int(header["payload_bytes"]))
-
-    def _discard(self, path: Path, why: Rejected) -> None:
-        """Say why a file in a cache folder is not loaded, and remove it (it can never load:
-        files appear there only by atomic rename, each folder holds one key), unless another
-        process has meanwhile put a new file under that name: the check and the removal happen
-        under the lock that writers hold while they rename."""
-        print(f"localspec: ignoring prompt cache file {path}: {why}.", file=sys.stderr)
-        self._disk_index.pop(path, None)
-        try:
-            with exclusive_lock(self.disk_dir / ".lock"):
-                if why.inode is not None and path.stat().st_ino == why.inode:
-                    path.unlink()
-        except OSError:
-            pass

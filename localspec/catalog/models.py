@@ -176,6 +176,9 @@ def resolve_model(name_or_path: str, *, pull: bool = True, progress: bool = True
             f"known names: {_known_names()}."
         )
     cached = model_path(entry)
+    if cached.exists() and not cached.is_file():
+        raise LocalspecError(f"{cached} is in the way: something other than a file (a folder?) "
+                             f"sits where {entry.name} is kept; remove it and run again.")
     if cached.is_file():
         # Cheap check only: the final name is written solely after a full sha256 pass.
         if cached.stat().st_size != entry.size:

@@ -13,7 +13,7 @@ from ..bench import KINDS, Bench, BenchSettings, load_workloads, parse_modes, su
 from ..bench.report import format_rows, format_summary, plot_ratios, require_matplotlib
 from ..bench.runner import setup_record, write_json
 from ..spec.sampling import SamplingParams
-from .options import COMMAND, SAMPLING, parse_rpc_option, run_command
+from .options import COMMAND, SAMPLING, Number, parse_rpc_option, run_command
 
 
 def _csv(_ctx, _param, value):
@@ -38,15 +38,15 @@ def _csv(_ctx, _param, value):
               help="Only these case ids, run in the order given.")
 @click.option("-n", "--max-tokens", type=click.IntRange(1), default=None,
               help="Cap every case's generation budget (default: each case's own max_tokens).")
-@click.option("-t", "--temperature", type=click.FloatRange(0.0), default=0.0, show_default=True,
+@click.option("-t", "--temperature", type=Number(0.0), default=0.0, show_default=True,
               help="0 = greedy, where every mode must match plain token for token; > 0 samples, "
                    "and n-gram modes must then match plain under the same --seed.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed for sampled runs (fixed, unlike generate's: a benchmark repeats).")
 @click.option("--top-k", type=click.IntRange(0), default=SAMPLING.top_k, show_default=True)
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=SAMPLING.top_p,
+@click.option("--top-p", type=Number(0.0, 1.0), default=SAMPLING.top_p,
               show_default=True)
-@click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=SAMPLING.min_p,
+@click.option("--min-p", type=Number(0.0, 1.0), default=SAMPLING.min_p,
               show_default=True)
 @click.option("--ctx", "n_ctx", type=click.IntRange(64), default=4096, show_default=True,
               help="Context size of every mode (prompt + output).")

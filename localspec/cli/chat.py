@@ -117,6 +117,9 @@ def chat(system, show_stats, save_as, resume, **kw):
                 session.save(loop.save_as)
                 click.echo(f"saved the chat as {loop.save_as!r} (continue it with `localspec "
                            f"chat --resume {loop.save_as}`).", err=True)
+        if not interactive and loop.failed and loop.failed == loop.replies:
+            raise LocalspecError(f"no message got a reply ({loop.failed} failed; the reasons "
+                                 "are above).")
 
 
 # sampling_options defaults -n to 256 (one-shot generate); a chat reply may run longer.

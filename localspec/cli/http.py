@@ -84,6 +84,10 @@ def run_http(kw: dict) -> None:
         host, port = parse_bind(kw["http_bind"])
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--http'")
+    if kw["api_key"] is not None and not kw["api_key"].strip():
+        raise click.BadParameter("an empty key would let no client in (or, trimmed, anyone); "
+                                 "give a real key or leave the option out",
+                                 param_hint="'--api-key' / LOCALSPEC_API_KEY")
     settings = HttpSettings(host, port, kw["api_key"], kw["max_body"], kw["max_queue"],
                             kw["model"])
     sock = listen(host, port)

@@ -10,11 +10,12 @@ import sys
 
 import click
 
+from ..apps.checks import number_problem
 from ..spec.config import PROPOSERS, EngineConfig
 from ..spec.engine import Engine
 from ..llama import default_threads
 from ..errors import LocalspecError
-from ..files import internal_error_line
+from ..files import internal_error_line, system_error_line
 from ..text import check_utf8, decode_utf8
 from ..policy.config import K_LIMIT, PolicyConfig
 from ..llama.rpc import parse_servers
@@ -24,6 +25,34 @@ COMMAND = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 INTERNAL_ERROR_EXIT = 70         # sysexits.h EX_SOFTWARE: not the user's mistake
 SAMPLING = SamplingParams()      # the defaults every sampling option shows
 ENGINE = EngineConfig()
+
+
+class Number(click.ParamType):
+    """A float option checked by the rule JSON requests use (apps.checks.number_problem):
+    finite, in range. click's FloatRange lets nan and inf through."""
+
+    name = "number"
+
+    def __init__(self, lo=None, hi=None, lo_open=False):
+        self.lo, self.hi, self.lo_open = lo, hi, lo_open
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            v = value
+        else:
+            try:
+                v = float(value)
+            except ValueError:
+                self.fail(f"{value!r} is not a number.", param, ctx)
+        problem = number_problem(v, self.lo, self.hi, lo_open=self.lo_open)
+        if problem:
+            self.fail(f"{problem}, got {value}.", param, ctx)
+        return v
+
+    def get_metavar(self, param, *args):
+        lo = "" if self.lo is None else f"{self.lo}{'<' if self.lo_open else '<='}"
+        hi = "" if self.hi is None else f"<={self.hi}"
+        return f"FLOAT {lo}x{hi}" if lo or hi else "FLOAT"
 
 
 def parse_rpc_option(_ctx, _param, value) -> tuple:
@@ -70,7 +99,7 @@ def model_options(default_proposer: str = "ngram"):
             click.option("--gpu-layers", type=int, default=ENGINE.n_gpu_layers, show_default=True,
                          help="Layers to offload to the GPU (CUDA/Metal builds) or the --rpc "
                               "servers; -1 = all."),
-            click.option("--cache-mb", type=click.FloatRange(0), default=None,
+            click.option("--cache-mb", type=Number(0), default=None,
                          help="RAM for saved prompt states (KV rows) that later requests with "
                               "the same beginning reuse instead of re-reading (default: two "
                               "full contexts' worth, e.g. 224 MB for the 1.5B model at 4096 "
@@ -94,17 +123,17 @@ def sampling_options(f):
     opts = [
         click.option("-n", "--max-tokens", type=click.IntRange(1), default=256, show_default=True,
                      help="Stop after this many generated tokens."),
-        click.option("-t", "--temperature", type=click.FloatRange(0.0), default=SAMPLING.temperature,
+        click.option("-t", "--temperature", type=Number(0.0), default=SAMPLING.temperature,
                      show_default=True, help="0 = greedy (deterministic); > 0 samples."),
         click.option("--top-k", type=click.IntRange(0), default=SAMPLING.top_k, show_default=True,
                      help="Keep the k most likely tokens (0 = off)."),
-        click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=SAMPLING.top_p,
+        click.option("--top-p", type=Number(0.0, 1.0), default=SAMPLING.top_p,
                      show_default=True, help="Nucleus sampling mass (1.0 = off)."),
-        click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=SAMPLING.min_p,
+        click.option("--min-p", type=Number(0.0, 1.0), default=SAMPLING.min_p,
                      show_default=True, help="Drop tokens below this fraction of the top "
                                              "probability (0 = off)."),
-        click.option("--repeat-penalty", type=click.FloatRange(0.0), default=SAMPLING.repeat_penalty,
-                     show_default=True, help="Penalty for recently seen tokens (1.0 = off)."),
+        click.option("--repeat-penalty", type=Number(0.0, lo_open=True),
+                     default=SAMPLING.repeat_penalty, show_default=True, help="Penalty for recently seen tokens (1.0 = off)."),
         click.option("--seed", type=int, default=None,
                      help="Random seed: the same seed gives the same text, with or without "
                           "speculation."),
@@ -184,6 +213,10 @@ def run_command(command: click.Command, argv=None, prog_name=None) -> None:
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
+    except OSError as e:              # the machine's answer (disk full...) is no bug of ours
+        line = system_error_line(e)
+        click.echo(f"error: {line or internal_error_line(e)}", err=True)
+        sys.exit(1 if line else INTERNAL_ERROR_EXIT)
     except Exception as e:            # a bug: one line here, the traceback in a file
         click.echo(f"error: {internal_error_line(e)}", err=True)
         sys.exit(INTERNAL_ERROR_EXIT)

@@ -4,10 +4,13 @@ server from the same llama.cpp build (no second install). The protocol is unauth
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import os
+import signal
 import socket
-import threading
+import sys
+import time
 
 import click
 
@@ -74,8 +77,40 @@ def rpc_server(host, port, threads, cache, allow_remote):
     os.dup2(2, 1)           # ggml prints its banner and connection log with printf: stderr it is
     click.echo(f"localspec: RPC server on {addr}:{port} (unauthenticated; Ctrl-C stops)",
                err=True)
-    runner = threading.Thread(target=serve, daemon=True, name="ggml-rpc-server")
-    runner.start()
-    while runner.is_alive():    # join in slices: Ctrl-C must reach this thread
-        runner.join(0.5)
-    raise LocalspecError(f"the RPC server on {addr}:{port} stopped; its reason is above.")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stop the worker too
+    while True:
+        code = _serve_in_child(serve)
+        if code >= 0:
+            raise LocalspecError(f"the RPC server on {addr}:{port} stopped; its reason is above.")
+        click.echo(f"localspec: the RPC server's worker ended on signal {-code} (a client sent "
+                   "what ggml could not handle, or it crashed); serving again.", err=True)
+        time.sleep(0.5)
+
+
+def _serve_in_child(serve) -> int:
+    """Run ggml's server in a child process and wait for it: ggml aborts on a malformed frame
+    (its asserts check the input), which must cost one connection, not the listener. Returns
+    the child's exit status, or minus the signal that ended it."""
+    pid = os.fork()
+    if pid == 0:                                  # the child: serve until ggml returns or aborts
+        os.environ["GGML_NO_BACKTRACE"] = "1"     # one line from ggml, no debugger attach
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:                                      # Linux: end with the parent, whatever kills it
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        try:
+            serve()
+        finally:
+            os._exit(0)
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.2)                       # waits in slices: Ctrl-C reaches this process
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise

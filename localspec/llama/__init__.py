@@ -5,9 +5,9 @@ module that imports `llama_cpp`; `model.py` and `context.py` reach it through `b
 from .backend import (backend_version, build_has_amx, default_threads, enable_exact_kernels,
                       ggml_function, library_account, quantize, set_log_level,
                       supports_gpu_offload, system_info, tiled_matmul_off)
-from .context import Context, ContextParams
+from .context import PREFILL_GRID, Context, ContextParams, cold_prefix
 from .model import Model, ModelParams
 
-__all__ = ["Context", "ContextParams", "Model", "ModelParams", "backend_version", "build_has_amx",
+__all__ = ["PREFILL_GRID", "Context", "ContextParams", "Model", "ModelParams", "cold_prefix", "backend_version", "build_has_amx",
            "default_threads", "enable_exact_kernels", "ggml_function", "library_account",
            "quantize", "set_log_level", "supports_gpu_offload", "system_info", "tiled_matmul_off"]

@@ -13,6 +13,28 @@ from ..errors import LocalspecError
 from . import backend as _b
 from .model import Model
 
+PREFILL_GRID = 256
+"""Prompts are evaluated in chunks of this many tokens starting at position 0 (a fixed grid of
+absolute positions). llama.cpp's CPU kernels may round differently for batches of other shapes,
+so rows reused from an earlier request are kept only where they were computed in exactly the
+chunk a cold prefill of the new prompt would use: then a cached prompt gives the same logits,
+bit for bit, as a cold one. docs/prompt-cache.md has the measurement behind 256."""
+
+
+def cold_prefix(common: int, clean: tuple, grid: int) -> int:
+    """How many of `common` reusable rows a grid-`grid` prefill may keep, given `clean` =
+    (rows computed in whole on-grid chunks from position 0, the grid they were computed on):
+    whole chunks only. grid 0: every common row (no equality promise).
+
+    Example: cold_prefix(700, (512, 256), 256) == 512; cold_prefix(700, (768, 256), 256) == 512.
+    """
+    if grid <= 0:
+        return common
+    n_clean, clean_grid = clean
+    if clean_grid != grid:
+        return 0
+    return min(common, n_clean) // grid * grid
+
 
 @dataclass(frozen=True)
 class ContextParams:
@@ -61,6 +83,13 @@ class Context:
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
         self.tokens: list = []
+        self._clean = (0, 0)      # rows computed in whole on-grid chunks from 0, and that grid
+
+    @property
+    def clean(self) -> tuple:
+        """(n, grid): the first n rows were computed in whole chunks of `grid` tokens starting at
+        position 0, as a cold prefill on that grid computes them (n a multiple of grid)."""
+        return self._clean
 
     @property
     def n_past(self) -> int:
@@ -108,15 +137,21 @@ class Context:
         ptr = _b.C.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
 
-    def sync(self, tokens: Sequence[int], stop=None, chunk: int = 0) -> tuple:
-        """Make the KV cache hold exactly `tokens`: keep the longest prefix it already holds,
-        drop the rest, evaluate what is missing. The last token is always evaluated, since its
-        logits row is returned. The one place KV prefix reuse is decided.
+    def sync(self, tokens: Sequence[int], stop=None, grid: int = 0) -> tuple:
+        """Make the KV cache hold exactly `tokens`: keep a prefix it already holds, drop the
+        rest, evaluate what is missing. The last token is always evaluated, since its logits
+        row is returned. The one place KV prefix reuse is decided.
+
+        grid > 0 (prompts): keep only whole on-grid chunks (cold_prefix) and evaluate the rest
+        in chunks of `grid` from a multiple of it, exactly as sync() into an empty cache would:
+        the row returned equals a cold prefill's bit for bit. grid 0 (a draft catching up):
+        keep the whole common prefix, evaluate the rest in n_batch chunks.
         Returns (logits row [n_vocab] float32 view, number of rows reused); the row is None when
-        `stop` (a threading.Event) was set between two chunks of `chunk` tokens (0: n_batch).
+        `stop` (a threading.Event) was set between two chunks.
 
         Example: KV holds [5, 6, 7, 8]; sync([5, 6, 9]) drops the rows of 7 and 8, decodes 9
-        and returns (row of 9, 2).
+        and returns (row of 9, 2). With grid=2 the rows of 5 and 6 are kept only if they were
+        decoded together as one chunk from position 0.
         """
         if len(tokens) == 0:
             raise ValueError("sync() needs at least one token")
@@ -125,27 +160,28 @@ class Context:
             if held != wanted:
                 break
             common += 1
-        if not self.truncate(min(common, len(tokens) - 1)):
+        keep = cold_prefix(min(common, len(tokens) - 1), self._clean, grid)
+        if not self.truncate(keep):
             self.clear()              # the memory refuses partial removal: start over
         reused = self.n_past
-        step = self._chunk(chunk)
+        step = min(grid, self.n_batch) if grid > 0 else self.n_batch
         while len(tokens) - self.n_past > step:   # whole chunks before the last: no logits
             if stop is not None and stop.is_set():
                 return None, reused
-            self.decode(tokens[self.n_past:self.n_past + step], logits="none")
+            self._prefill_chunk(tokens[self.n_past:self.n_past + step], step, "none")
         if stop is not None and stop.is_set():
             return None, reused
-        return self.decode(tokens[self.n_past:], logits="last")[0], reused
+        return self._prefill_chunk(tokens[self.n_past:], step, "last")[0], reused
 
-    def last_chunk_start(self, n_tokens: int, chunk: int = 0) -> int:
-        """Where sync() of n_tokens into an empty cache starts its last decode call, the one whose
-        logits row it returns: truncating there and syncing the same tokens again repeats that
-        call with the same batch shape, so the same logits bit for bit."""
-        step = self._chunk(chunk)
-        return max(0, (n_tokens - 1) // step * step)
-
-    def _chunk(self, chunk: int) -> int:
-        return min(chunk or self.n_batch, self.n_batch)
+    def _prefill_chunk(self, tokens: Sequence[int], step: int, logits: str) -> np.ndarray:
+        """decode() one prompt chunk; a whole on-grid chunk right after the clean rows extends
+        them."""
+        start = self.n_past
+        out = self.decode(tokens, logits=logits)
+        n_clean, clean_grid = self._clean
+        if len(tokens) == step and start == n_clean and clean_grid in (0, step):
+            self._clean = (start + step, step)
+        return out
 
     def truncate(self, n_keep: int) -> bool:
         """Drop KV rows at positions >= n_keep. Returns False when the model's memory refuses a
@@ -157,11 +193,15 @@ class Context:
         ok = bool(_b.C.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
         if ok:
             del self.tokens[n_keep:]
+            n_clean, grid = self._clean
+            if n_clean > n_keep:
+                self._clean = (n_keep // grid * grid, grid)
         return ok
 
     def clear(self) -> None:
         _b.C.llama_memory_clear(self._mem, True)
         self.tokens = []
+        self._clean = (0, 0)
 
     def rows_held(self) -> int:
         """KV rows llama.cpp holds for seq 0 (n_past, unless an interrupt broke bookkeeping)."""
@@ -205,9 +245,10 @@ class Context:
             raise LocalspecError(f"llama.cpp wrote {n} of {size} bytes of KV state.")
         return out[:size]
 
-    def restore_state(self, data, tokens: Sequence[int]) -> None:
+    def restore_state(self, data, tokens: Sequence[int], clean: tuple = (0, 0)) -> None:
         """Replace seq 0 with a state save_state() took from a context of the same model and
-        settings that held `tokens`; they become `self.tokens`.
+        settings that held `tokens`; they become `self.tokens`, and `clean` (its `clean` then)
+        says which of its rows a grid prefill may keep.
 
         data: bytes or a uint8 array. Raises LocalspecError, leaving the context empty, when
         llama.cpp refuses the state (other layer count, KV types, too few cells) or the state
@@ -237,6 +278,8 @@ class Context:
                 f"it holds positions {lo}..{hi}, not 0..{n_tokens - 1}"
             raise LocalspecError(f"llama.cpp refused a saved KV state: {why}.")
         self.tokens = [int(t) for t in tokens]
+        n_clean, grid = (int(x) for x in clean)
+        self._clean = (min(n_clean, n_tokens) // grid * grid, grid) if grid > 0 else (0, 0)
 
     def close(self) -> None:
         if self._ctx:

@@ -6,8 +6,10 @@ who can reach a server's port can allocate its memory and run computations on it
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 import struct
+import sys
 from typing import Callable, Iterable, Optional
 
 from ..errors import LocalspecError
@@ -80,9 +82,26 @@ def _entry(name: str, prototype):
     return prototype(addr)
 
 
+_ABORT = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+
+
+@_ABORT
+def _lost_server(message: bytes) -> None:
+    """ggml's abort hook, set while RPC servers are attached. ggml aborts the process when a
+    server dies or answers garbage mid-decode, with no way back into Python; what it can still
+    do is say so in one line and exit 1, instead of SIGABRT and a debugger's backtrace."""
+    why = message.decode(errors="replace").split(": ", 1)[-1].strip()
+    servers = ", ".join(_attached)
+    sys.stderr.write(f"error: llama.cpp stopped while using RPC server {servers} ({why}); "
+                     "check that `localspec rpc-server` still runs there, then run again.\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def attach(endpoints: Iterable[str]) -> None:
     """Give llama.cpp the devices of these servers, as its own --rpc does. It is process-wide:
-    every model loaded afterwards puts its offloaded layers (n_gpu_layers) on them, first."""
+    every model loaded afterwards puts its offloaded layers (n_gpu_layers) on them, first. A
+    server lost later ends the process with one error line (_lost_server)."""
     for endpoint in endpoints:
         if endpoint in _attached:
             continue
@@ -94,6 +113,7 @@ def attach(endpoints: Iterable[str]) -> None:
             raise LocalspecError(f"RPC server {endpoint} offers no device.")
         ggml_function("ggml_backend_register", None, ctypes.c_void_p)(reg)
         _attached.append(endpoint)
+        ggml_function("ggml_set_abort_callback", ctypes.c_void_p, _ABORT)(_lost_server)
 
 
 def attached() -> tuple:

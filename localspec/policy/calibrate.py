@@ -121,7 +121,12 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
     if cached is not None and cached.notes["stability"].spread < curve.notes["stability"].spread:
         curve = cached                               # the earlier one was steadier: keep it
     remeasured = cached.notes.get("remeasured", 0) + 1 if cached is not None else 0
-    _write(path, ctx, curve, remeasured)
+    try:
+        _write(path, ctx, curve, remeasured)
+    except OSError as e:            # a full disk, a folder in the way: use it, say so, go on
+        if progress:
+            progress(f"localspec: warning: could not keep the cost curve in {path} "
+                     f"({e.strerror or e}); the next run measures it again.")
     return CostCurve(curve.ratios, curve.ms_per_step, key,
                      {"stability": curve.notes["stability"], "remeasured": remeasured,
                       "attempts": tries})
@@ -129,11 +134,14 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
 
 def _write(path, ctx: Context, curve: CostCurve, remeasured: int) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
-                               "model": str(ctx.model.path), "threads": ctx.n_threads,
-                               "stability": asdict(curve.notes["stability"]),
-                               "remeasured": remeasured}))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
+                                   "model": str(ctx.model.path), "threads": ctx.n_threads,
+                                   "stability": asdict(curve.notes["stability"]),
+                                   "remeasured": remeasured}))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def newest_cached(model_name: str, threads: int):

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from ..errors import LocalspecError
-from ..llama import Context, Model
+from ..llama import PREFILL_GRID, Context, Model
 from ..policy.adaptive import AdaptivePolicy
 from ..policy.config import PolicyConfig
 from .config import EngineConfig
@@ -33,11 +33,10 @@ from .textstream import TextStream
 __all__ = ["Engine", "EngineConfig", "Generation", "Prompt"]
 
 Prompt = Union[str, Sequence[dict], Sequence[int]]
-# Prompt tokens per decode call while prefilling: a cancel (Ctrl-C in chat, `cancel` in the
-# protocol) is seen between two chunks, ~5 s apart for the 1.5B at 50 prompt tokens/s on 2 cores
-# (llama.cpp's own n_batch, 512, would be ~10 s). Measured cost: 0.99x the prefill speed of whole
-# n_batch calls, inside the noise (docs/benchmarks.md, "Prefill chunk size").
-PREFILL_CHUNK = 256
+# Prompts are prefilled in chunks of PREFILL_GRID tokens on a grid of absolute positions (the
+# prompt cache keeps whole chunks only, so cached equals cold). A cancel (Ctrl-C in chat, `cancel`
+# in the protocol) is seen between two chunks, ~5 s apart for the 1.5B at 50 prompt tokens/s on
+# 2 cores. Measured cost: docs/prompt-cache.md, "Cached equals cold".
 
 
 class Engine:
@@ -105,7 +104,7 @@ class Engine:
         """The logits row [n_vocab] after `tokens`, evaluated from a cold cache (a copy)."""
         self.reset()
         try:
-            return np.array(self.ctx.sync(list(tokens))[0])
+            return np.array(self.ctx.sync(list(tokens), grid=PREFILL_GRID)[0])
         finally:
             self.reset()
 
@@ -152,18 +151,21 @@ class Engine:
         start = time.perf_counter()
         try:
             # A saved state holding more of the prompt than the live KV is restored first.
-            reuse = self.cache.prepare(self.ctx, req.history) if self.cache is not None else None
-            logits, reused = self.ctx.sync(req.history, stop=cancel, chunk=PREFILL_CHUNK)
+            reuse = (self.cache.prepare(self.ctx, req.history, PREFILL_GRID)
+                     if self.cache is not None else None)
+            logits, reused = self.ctx.sync(req.history, stop=cancel, grid=PREFILL_GRID)
             st.prefill_tokens = self.ctx.n_past - reused
             st.record_reuse(reuse.source if reuse else "context", reused,
                             reuse.restore_ms if reuse else 0.0)
             st.prefill_ms = 1000 * (time.perf_counter() - start)
             if logits is None:                 # cancelled between two chunks of the prompt
                 return
-            if not np.isfinite(logits).all():
+            damage = "NaN/infinite" if not np.isfinite(logits).all() else \
+                "identical" if logits.min() == logits.max() else ""
+            if damage:                         # zeroed weights give every token the same logit
                 self.ctx.clear()               # rows computed from such weights are no use
                 raise LocalspecError(
-                    f"{self.model.path.name} produced NaN/infinite logits for this prompt: its "
+                    f"{self.model.path.name} produced {damage} logits for this prompt: its "
                     "weights are most likely corrupt. Check it with `localspec models verify`, "
                     "then re-download (`localspec models pull NAME --force`) or replace the file.")
             emitted = [draw(target_dist(logits, req.sampling, req.history), req.stream.u(0, 0))]

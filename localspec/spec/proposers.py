@@ -21,7 +21,7 @@ import numpy as np
 
 from ..policy.acceptance import DraftFeatures, Offer
 from ..policy.calibrate import load_or_measure
-from ..llama import Context, ContextParams, Model
+from ..llama import PREFILL_GRID, Context, ContextParams, Model
 from .ngram import NGRAM_MAX, NGRAM_TIE, SOURCE_DOCUMENT, NgramIndex
 from ..policy.draft_estimate import CostCurve
 from .sampling import SamplingParams, draw, target_dist
@@ -151,8 +151,8 @@ class DraftProposer(Proposer):
         # token); left to the first proposal it would stall decoding for a whole prefill. A
         # prompt seen before comes back from the cache, as the target's does.
         if self.cache is not None:
-            self.cache.prepare(self.ctx, self._history)
-        self.ctx.sync(self._history)
+            self.cache.prepare(self.ctx, self._history, PREFILL_GRID)
+        self.ctx.sync(self._history, grid=PREFILL_GRID)  # proposals as a cold prompt's would be
 
     def offers(self, limit: int) -> list:
         limit = min(limit, self.ctx.n_ctx - len(self._history))

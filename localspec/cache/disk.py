@@ -1,0 +1,175 @@
+"""A prompt cache's folder on disk: every kept state written through to `<root>/<context key>/`
+(atomic files, format.py), found again by later processes, trimmed to a byte budget by least
+recent use. Whatever sits in the folder that is not a valid entry of the key asked for (damaged,
+another model's, a folder, a killed save's temporary file) is reported once and skipped or
+removed, never an error on every request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..catalog.pull import exclusive_lock
+from .format import SUFFIX, Entry, Rejected, clean_of, read_header, write_file
+
+
+class DiskFolder:
+    """`root`: the folder (its `sessions/` subfolder is the user's named saves, never evicted);
+    `budget`: bytes for the entries of every key together, temporary files included."""
+
+    def __init__(self, root: Path, budget: int):
+        self.root, self.budget = Path(root), int(budget)
+        self._index: dict = {}                 # path -> ((size, mtime_ns), Entry)
+        self._warned: set = set()              # paths already reported as unusable
+
+    def lock(self):
+        """The lock writers hold while they rename into the folder or trim it."""
+        return exclusive_lock(self.root / ".lock")
+
+    def write(self, entry: Entry, model_name: str) -> Optional[Path]:
+        """Write `entry` to its key's folder (atomic), then trim the folder to the budget, under
+        the lock so that two processes trimming at once do not both overshoot. None (with one
+        line) when the disk refuses: the state stays in RAM only."""
+        folder = self.root / entry.key
+        name = hashlib.sha256(entry.tokens.astype("<i4").tobytes()).hexdigest()[:24] + SUFFIX
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with self.lock():
+                write_file(folder / name, entry.key, entry.tokens, entry.data, model_name,
+                           clean=entry.clean)
+                self._trim()
+        except OSError as e:
+            print(f"localspec: prompt cache: could not write to {folder} ({e}); "
+                  "keeping the state in RAM only.", file=sys.stderr)
+            return None
+        return folder / name
+
+    def scan(self, key: str) -> list:
+        """The entries of `key` (headers and tokens only; payloads are read on restore)."""
+        try:
+            items = list(os.scandir(self.root / key))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            self._warn_once(self.root / key, f"cannot list it ({e.strerror or e})")
+            return []
+        found = []
+        for item in items:
+            if not item.name.endswith(SUFFIX):
+                continue
+            path = Path(item.path)
+            try:
+                st = item.stat()
+                known = self._index.get(path)
+                if known is None or known[0] != (st.st_size, st.st_mtime_ns):
+                    known = self._index[path] = _index_entry(path, key)
+            except Rejected as e:
+                self.discard(path, e)
+                continue
+            except FileNotFoundError:
+                continue
+            except OSError as e:       # a folder under an entry's name, no permission...
+                self._warn_once(path, e.strerror or str(e))
+                continue
+            found.append(known[1])
+        return found
+
+    def forget(self, path: Path) -> None:
+        """Another process removed `path`: drop what is known of it."""
+        self._index.pop(path, None)
+
+    def discard(self, path: Path, why: Rejected) -> None:
+        """Say why a file in the folder is not loaded, and remove it (it can never load: files
+        appear there only by atomic rename, each key folder holds one key), unless another
+        process has meanwhile put a new file under that name: the check and the removal happen
+        under the lock that writers hold while they rename."""
+        print(f"localspec: ignoring prompt cache file {path}: {why}.", file=sys.stderr)
+        self._index.pop(path, None)
+        try:
+            with self.lock():
+                if why.inode is not None and path.stat().st_ino == why.inode:
+                    path.unlink()
+        except OSError:
+            pass
+
+    def _trim(self) -> None:
+        """Evict least recently used entries until the folder fits the budget. Temporary files
+        count too; those of a save that was killed (its process gone) are removed."""
+        files = []
+        for path in self.root.glob("*/.*.tmp"):
+            if _stale_temp(path):
+                path.unlink(missing_ok=True)
+            else:
+                files.append((0, _size(path), None))     # another save in progress: count it
+        for path in self.root.glob("*/*" + SUFFIX):
+            if path.parent.name == "sessions":        # named saves are the user's, never evicted
+                continue
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files.append((st.st_mtime_ns, st.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files, key=lambda f: f[:2]):
+            if total <= self.budget:
+                break
+            if path is not None:
+                path.unlink(missing_ok=True)
+                total -= size
+
+    def _warn_once(self, path: Path, why: str) -> None:
+        """One line for a path that cannot be used, the first time only: a request is not the
+        place to fail for it, nor to repeat it on every request."""
+        if path not in self._warned:
+            self._warned.add(path)
+            print(f"localspec: prompt cache: skipping {path}: {why}.", file=sys.stderr)
+
+
+def touch(path: Path) -> None:
+    """Mark an entry recently used (the budget evicts by mtime, oldest first)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _index_entry(path: Path, key: str) -> tuple:
+    """((size, mtime_ns), Entry without its payload) of the file now at `path`."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        header, tokens = read_header(f)
+    if header.get("key") != key:
+        e = Rejected(f"saved for another model or settings ({header.get('model', '?')})")
+        e.inode = st.st_ino
+        raise e
+    return (st.st_size, st.st_mtime_ns), Entry(key, tokens, None, path,
+                                               int(header["payload_bytes"]), clean_of(header))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _stale_temp(path: Path) -> bool:
+    """Whether a save's temporary file (".NAME.PID.RANDOM.tmp", format.write_file) was left by
+    a process that no longer runs, and has not been written for a minute."""
+    try:
+        pid = int(path.name.rsplit(".", 3)[-3])
+        if time.time() - path.stat().st_mtime < 60:
+            return False
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, IndexError, OSError):
+        return False
+    return False
