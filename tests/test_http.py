@@ -491,3 +491,27 @@ def test_stopping_the_server_ends_every_request_with_an_error_its_client_sees(ti
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
+
+
+def test_the_same_greedy_request_gives_the_same_text_cached_or_not(smollm_path, home):
+    """Issue 31's report: "Tell me a story about a robot." at temperature 0 gave text A after an
+    unrelated request and text B when repeated (its prefix from the prompt cache), A, B, A, B.
+    Every answer must be `localspec generate --chat`'s."""
+    env = {**os.environ, "LOCALSPEC_HOME": str(home)}
+    story = "Tell me a story about a robot."
+    want = subprocess.run([sys.executable, "-m", "localspec", "generate", "-m", str(smollm_path),
+                           "--chat", "--threads", "1", "-n", "48", "--proposer", "none", story],
+                          capture_output=True, env=env, timeout=300).stdout.decode()
+    srv = Server(smollm_path, home, "--api-key", KEY, "--proposer", "none")
+    try:
+        client = srv.client()
+        texts = []
+        for content in ["What is the capital of France? Answer in one sentence.", story, story,
+                        "Name three colours.", story, story]:
+            reply = client.chat.completions.create(
+                model=smollm_path.stem, messages=[{"role": "user", "content": content}],
+                max_tokens=48, temperature=0)
+            texts.append(reply.choices[0].message.content)
+    finally:
+        srv.close()
+    assert want.strip() and [texts[i] for i in (1, 2, 4, 5)] == [want.rstrip("\n")] * 4, texts

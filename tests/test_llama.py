@@ -103,12 +103,18 @@ def test_stop_string_and_eos_end_generation(tiny_model):
 
 
 def test_kv_prefix_is_reused_between_requests(tiny_model):
+    """Whole prefill chunks of the shared prefix are kept (cached equals cold: no partial ones)."""
+    from localspec.llama import PREFILL_GRID
+
+    prefix = "a long shared prefix, " * 5                  # > 64 byte tokens: whole chunks
     with plain_engine(tiny_model) as e:
-        first = e.generate("a long shared prefix, then", max_tokens=5)
+        first = e.generate(prefix + "then", max_tokens=5)
         first.complete()
-        second = e.generate("a long shared prefix, then more", max_tokens=5)
+        second = e.generate(prefix + "then more", max_tokens=5)
         second.complete()
-        assert second.stats.prefill_tokens < 10 < second.stats.prompt_tokens
+        reused = second.stats.reused_tokens
+        assert reused > 0 and reused % PREFILL_GRID == 0
+        assert second.stats.prefill_tokens < PREFILL_GRID + 10
 
 
 def test_plain_greedy_equals_llama_cpp_python_high_level(smollm_path):

@@ -13,7 +13,7 @@ from ..errors import LocalspecError
 from . import backend as _b
 from .model import Model
 
-PREFILL_GRID = 256
+PREFILL_GRID = 64
 """Prompts are evaluated in chunks of this many tokens starting at position 0 (a fixed grid of
 absolute positions). llama.cpp's CPU kernels may round differently for batches of other shapes,
 so rows reused from an earlier request are kept only where they were computed in exactly the

@@ -35,8 +35,8 @@ __all__ = ["Engine", "EngineConfig", "Generation", "Prompt"]
 Prompt = Union[str, Sequence[dict], Sequence[int]]
 # Prompts are prefilled in chunks of PREFILL_GRID tokens on a grid of absolute positions (the
 # prompt cache keeps whole chunks only, so cached equals cold). A cancel (Ctrl-C in chat, `cancel`
-# in the protocol) is seen between two chunks, ~5 s apart for the 1.5B at 50 prompt tokens/s on
-# 2 cores. Measured cost: docs/prompt-cache.md, "Cached equals cold".
+# in the protocol) is seen between two chunks, ~1.3 s apart for the 1.5B at 50 prompt tokens/s
+# on 2 cores. Measured cost: docs/prompt-cache.md, "Cached equals cold".
 
 
 class Engine:
