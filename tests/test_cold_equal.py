@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from localspec.cache.prompt_cache import PromptCache, default_budget_mb
 from localspec.llama import PREFILL_GRID, cold_prefix
 from localspec.policy.config import PolicyConfig
 from localspec.spec.engine import Engine, EngineConfig
@@ -36,7 +37,7 @@ MODES = {"plain": ("none", None), "ngram-k3": ("ngram", 3)}
 def engine_config(mode: str, cache: bool) -> EngineConfig:
     proposer, k = MODES[mode]
     return EngineConfig(proposer=proposer, n_ctx=2048, n_threads=1, cache_mb=None if cache else 0,
-                        cache_disk=cache, learn_cost=False, policy=PolicyConfig(fixed_k=k))
+                        learn_cost=False, policy=PolicyConfig(fixed_k=k))
 
 
 def sampling(seed) -> SamplingParams:
@@ -57,11 +58,18 @@ def request_strategy(doc_chars: list):
 class Checker:
     """Runs requests on a cached engine and on fresh engines, and compares them."""
 
-    def __init__(self, model, mode: str, max_tokens: int):
-        self.model, self.mode, self.max_tokens = model, mode, max_tokens
-        self.engine = Engine(model, engine_config(mode, cache=True))
+    def __init__(self, model, mode: str, max_tokens: int, folder):
+        self.model, self.mode, self.max_tokens, self.folder = model, mode, max_tokens, folder
+        self.engine = self.cached_engine()
         self.last: list = []             # the previous request's prompt + output tokens
         self.sources: set = set()        # where reused rows came from, over the run
+
+    def cached_engine(self) -> Engine:
+        """An engine whose prompt cache keeps its entries in RAM and in `folder` (the cache's
+        own folder, not LOCALSPEC_HOME's: a model's identity is read against the home)."""
+        engine = Engine(self.model, engine_config(self.mode, cache=True))
+        engine.cache = PromptCache(default_budget_mb(self.model, 2048), disk_dir=self.folder)
+        return engine
 
     def close(self) -> None:
         self.engine.close()
@@ -71,7 +79,7 @@ class Checker:
         if kind == "restart":             # a new process: only the disk entries remain
             self.engine.keep_live_state()
             self.engine.close()
-            self.engine = Engine(self.model, engine_config(self.mode, cache=True))
+            self.engine = self.cached_engine()
             self.last = []
             return
         if kind == "doc":
@@ -102,9 +110,9 @@ class Checker:
 _fresh: dict = {mode: {} for mode in MODES}
 
 
-def check_sequence(model, mode: str, requests: list, max_tokens: int) -> set:
+def check_sequence(model, mode: str, requests: list, max_tokens: int, folder) -> set:
     """Run `requests`, each compared with a fresh engine; the reuse sources seen."""
-    checker = Checker(model, mode, max_tokens)
+    checker = Checker(model, mode, max_tokens, folder)
     try:
         for req in requests:
             checker.run(req)
@@ -130,17 +138,13 @@ TINY_DOCS = [100, 200, 300, 530]            # byte tokens: 1 to 8 prefill chunks
 @pytest.mark.parametrize("mode", list(MODES))
 @settings(max_examples=20, **SETTINGS)
 @given(requests=st.lists(request_strategy(TINY_DOCS), min_size=2, max_size=8))
-def test_cached_equals_cold_on_the_tiny_model(tiny_model, mode, requests, tmp_path_factory,
-                                              monkeypatch):
-    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path_factory.mktemp("home")))
-    check_sequence(tiny_model, mode, requests, 24)
+def test_cached_equals_cold_on_the_tiny_model(tiny_model, mode, requests, tmp_path_factory):
+    check_sequence(tiny_model, mode, requests, 24, tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_every_reuse_source_gives_the_cold_text_on_the_tiny_model(tiny_model, mode, tmp_path,
-                                                                   monkeypatch):
-    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
-    sources = check_sequence(tiny_model, mode, every_source(700), 24)
+def test_every_reuse_source_gives_the_cold_text_on_the_tiny_model(tiny_model, mode, tmp_path):
+    sources = check_sequence(tiny_model, mode, every_source(530), 24, tmp_path)
     assert {"context", "ram", "disk"} <= sources
 
 
@@ -150,25 +154,22 @@ SMOLLM_DOCS = [900, 1400, 2300]             # ~230 to ~600 tokens
 @pytest.mark.parametrize("mode", list(MODES))
 @settings(max_examples=3, **SETTINGS)
 @given(requests=st.lists(request_strategy(SMOLLM_DOCS), min_size=3, max_size=5))
-def test_cached_equals_cold_on_smollm(smollm, mode, requests, tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path_factory.mktemp("home")))
-    check_sequence(smollm, mode, requests, 24)
+def test_cached_equals_cold_on_smollm(smollm, mode, requests, tmp_path_factory):
+    check_sequence(smollm, mode, requests, 24, tmp_path_factory.mktemp("cache"))
 
 
-def test_every_reuse_source_gives_the_cold_text_on_smollm(smollm, tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
-    sources = check_sequence(smollm, "plain", every_source(1400), 24)
+def test_every_reuse_source_gives_the_cold_text_on_smollm(smollm, tmp_path):
+    sources = check_sequence(smollm, "plain", every_source(1400), 24, tmp_path)
     assert {"context", "ram", "disk"} <= sources
 
 
 @pytest.mark.skipif(not os.environ.get("LOCALSPEC_TEST_QWEN"),
                     reason="the default model (1 GB) runs when LOCALSPEC_TEST_QWEN=1")
-def test_cached_equals_cold_on_the_default_model(tmp_path, monkeypatch):
+def test_cached_equals_cold_on_the_default_model(tmp_path):
     from localspec.spec.factory import load_model
 
-    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
     with load_model("default") as model:
-        sources = check_sequence(model, "plain", every_source(3100), 32)
+        sources = check_sequence(model, "plain", every_source(3100), 32, tmp_path)
     assert {"context", "ram", "disk"} <= sources
 
 

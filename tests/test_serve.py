@@ -16,6 +16,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from localspec.llama import PREFILL_GRID
+
 # Greedy runs on the tiny model that go on for thousands of tokens before an EOS (measured);
 # the cancel test tries them in turn, since float differences between CPUs can move an EOS.
 LONG_PROMPTS = ("prompt 54: eeeee", "hello", "prompt 35: ")
@@ -338,6 +340,8 @@ def test_alternating_documents_read_only_their_new_tokens(server):
             if round_ == 0:
                 continue
             new = len(f"\nQ: {question}\nA:".encode())      # byte tokens on the tiny model
-            assert stats["prefill_tokens"] <= new + 1, stats
-            assert stats["reused_tokens"] >= len(d.encode()), stats
+            # whole prefill chunks are reused (cached equals cold): the question and the tail
+            # of the document past its last whole chunk are read again
+            assert stats["prefill_tokens"] < new + 1 + PREFILL_GRID, stats
+            assert stats["reused_tokens"] >= len(d.encode()) // PREFILL_GRID * PREFILL_GRID, stats
             assert stats["reuse_source"] in ("ram", "disk"), stats
