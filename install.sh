@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Sets up localspec in ./.venv (or $LOCALSPEC_VENV): builds llama-cpp-python for this host
-# (flags from localspec/llama/buildflags.py: no AMX crash, CUDA/Metal when present) and the copy of its
+# (backend and flags from localspec/llama/buildflags.py: CUDA, Vulkan or Metal where the host has
+# that GPU, else CPU; no AMX crash; the decision and its reason are printed) and the copy of its
 # libraries that --exact loads, caches both per flag set so a rerun takes seconds, then installs
 # localspec with its HTTP server and test extras. pip's output goes to $VENV/install.log, never to
 # stdout; a failure prints its tail.
 # Usage: ./install.sh            Env: PYTHON, LOCALSPEC_VENV, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS,
-#                                     LOCALSPEC_CUDA=0/1, LOCALSPEC_CUDA_ARCH, LOCALSPEC_HOME (cache),
+#                                     LOCALSPEC_BACKEND=cpu|cuda|vulkan|metal (forces the backend;
+#                                     LOCALSPEC_CUDA=0/1 still works), LOCALSPEC_CUDA_ARCH,
+#                                     LOCALSPEC_HOME (cache),
 #                                     LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python source
 #                                     tree to build instead of PyPI's sdist: scripts/gpu_run.sh),
 #                                     LOCALSPEC_EXACT_LIBS=0 (no --exact libraries: ~2 min less)
@@ -31,7 +34,8 @@ quiet() {
   fi
 }
 
-ARGS=$("$VPY" localspec/llama/buildflags.py --explain)
+ARGS=$("$VPY" localspec/llama/buildflags.py --explain)   # prints "backend: X (why)" on stderr
+BACKEND=$("$VPY" localspec/llama/buildflags.py --backend)
 KEY=$("$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:12])' \
       "$LLAMA_CPP_PYTHON $(uname -s) $(uname -m) $ARGS")
 HOME_DIR=${LOCALSPEC_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}
@@ -45,7 +49,8 @@ if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
     flock 9
   fi
   if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    echo "Building llama-cpp-python $LLAMA_CPP_PYTHON (10-15 min on 2 cores; log: $LOG) with: $ARGS" >&2
+    echo "Building llama-cpp-python $LLAMA_CPP_PYTHON for $BACKEND (CPU: 10-15 min on 2 cores;" \
+         "log: $LOG) with: $ARGS" >&2
     rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
     CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
       quiet "building llama-cpp-python" \

@@ -1,4 +1,5 @@
-"""Pure-Python parts: sampler chain, random stream, text streaming, draft policy, build flags."""
+"""Pure-Python parts: sampler chain, random stream, text streaming, draft policy (build flags:
+tests/test_buildflags.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import math
 import numpy as np
 import pytest
 
-from localspec.llama.buildflags import choose, cuda_arch_of, exact_cmake_args
 from localspec.policy.config import PolicyConfig
 from localspec.policy.draft_estimate import DraftPolicy, expected_tokens
 from localspec.spec.sampling import (Dist, PositionStream, SamplingParams, apply_penalty, draw,
@@ -136,49 +136,6 @@ def test_stats_counts_positions_and_sources():
     assert (st.steps, st.spec_steps, st.drafted, st.accepted) == (3, 2, 5, 3)
     assert st.drafted_by_pos == [2, 2, 1] and st.accepted_by_pos == [2, 1, 0]
     assert st.accepted_by_source == {"history": 1, "document": 2}
-
-
-AMX_HOST = "flags : fpu avx avx2 fma f16c bmi2 avx512f avx512_vnni amx_tile amx_int8\n"
-
-
-def test_build_flags_avoid_amx_and_follow_cpu_features():
-    args, why = choose("Linux", "x86_64", AMX_HOST, nvcc=False, gpu=False)
-    assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AVX512=ON" in args
-    assert "-DGGML_AVX512_BF16=OFF" in args and "-DGGML_AMX_INT8=OFF" in args
-    assert not any("CUDA" in a for a in args) and any("AMX" in w for w in why)
-
-
-def test_build_flags_cuda_metal_and_overrides():
-    assert "-DGGML_CUDA=ON" in choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=True)[0]
-    assert "-DGGML_CUDA=ON" not in choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=False)[0]
-    assert "-DGGML_CUDA=ON" in choose("Linux", "x86_64", "", False, False, cuda_env="1")[0]
-    assert choose("Darwin", "arm64", "", False, False)[0] == ["-DGGML_LLAMAFILE=ON",
-                                                              "-DGGML_RPC=ON", "-DGGML_METAL=ON"]
-
-
-def test_build_flags_include_the_rpc_backend_on_every_host():
-    """`--rpc` and `localspec rpc-server` need ggml-rpc in the one build install.sh makes."""
-    for host in [("Linux", "x86_64", AMX_HOST), ("Darwin", "arm64", ""), ("Linux", "aarch64", "")]:
-        assert "-DGGML_RPC=ON" in choose(*host, nvcc=False, gpu=False)[0]
-
-
-def test_default_build_keeps_llamafile_and_the_exact_copy_differs_only_there():
-    args, _ = choose("Linux", "x86_64", AMX_HOST, nvcc=False, gpu=False)
-    assert "-DGGML_LLAMAFILE=ON" in args                      # full prefill speed by default
-    exact = exact_cmake_args(args + ["-DGGML_LLAMAFILE=ON"])  # a user's CMAKE_ARGS cannot undo it
-    assert exact[-1] == "-DGGML_LLAMAFILE=OFF" and sum("LLAMAFILE" in a for a in exact) == 1
-    assert [a for a in exact if "LLAMAFILE" not in a] == [a for a in args if "LLAMAFILE" not in a]
-
-
-def test_build_flags_cuda_builds_for_the_gpu_it_finds():
-    # ggml's default with GGML_NATIVE=OFF is seven architectures; one is what a 10-minute build
-    # on the lent H100 affords, and what a laptop GPU needs.
-    args, why = choose("Linux", "x86_64", AMX_HOST, nvcc=True, gpu=True, cuda_arch="90")
-    assert args[-2:] == ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"]
-    assert "-DCMAKE_CUDA_ARCHITECTURES=native" in choose("Linux", "x86_64", "", True, True)[0]
-    assert not any("CUDA" in a for a in choose("Linux", "x86_64", "", True, True, "0", "90")[0])
-    assert cuda_arch_of("9.0\n9.0\n") == "90" and cuda_arch_of("8.9\n8.6") == "86;89"
-    assert cuda_arch_of("") == "" and cuda_arch_of("[N/A]") == ""
 
 
 def test_one_policy_config_checks_the_draft_length():
