@@ -56,7 +56,7 @@ _reference: dict = {}
 
 def reference(tiny_model, prompt: str, max_tokens: int) -> list:
     """Plain greedy output of a fresh engine (cold cache, nothing before it)."""
-    key = (prompt, max_tokens)
+    key = (str(tiny_model.path), tiny_model.n_gpu_layers, prompt, max_tokens)  # CPU or device
     if key not in _reference:
         with Engine(tiny_model, config("none", None)) as fresh:
             _reference[key] = fresh.generate(prompt, max_tokens=max_tokens).complete_tokens()

@@ -31,10 +31,12 @@ TIE_GAP = 0.5   # logits; a divergence at a larger top-2 gap than this fails the
 
 
 def engine(model, proposer="ngram", fixed_k=None, n_ctx=1024, draft=None, exact=False,
-           tie_margin=EngineConfig.tie_margin, runs=None):
-    """An engine on `model`; `runs` is a proposer object to use instead of building one."""
+           tie_margin=EngineConfig.tie_margin, runs=None, gpu_layers=0):
+    """An engine on `model`; `runs` is a proposer object to use instead of building one;
+    `gpu_layers` is where a draft model goes (the device lane offloads `model` itself)."""
     return Engine(model, EngineConfig(proposer=proposer, n_ctx=n_ctx, n_threads=1, exact=exact,
                                       draft=str(draft) if draft else None, tie_margin=tie_margin,
+                                      n_gpu_layers=gpu_layers,
                                       policy=PolicyConfig(fixed_k=fixed_k)), proposer=runs)
 
 
@@ -52,14 +54,14 @@ def top2_gap(model, tokens):
 
 
 def assert_greedy_lossless(model, prompts, max_tokens, fixed_k, proposer="ngram", draft=None,
-                           exact=False, tie_margin=EngineConfig.tie_margin):
+                           exact=False, tie_margin=EngineConfig.tie_margin, gpu_layers=0):
     """Speculative greedy == plain greedy, token for token. Where they differ, the evidence must
     show a near-tie that batched logits flipped (llama.cpp picks kernels by batch size), never
     a gross difference that would point to an algorithmic bug."""
     diverged = []
     with engine(model, "none", exact=exact) as plain, \
             engine(model, proposer, fixed_k=fixed_k, draft=draft, exact=exact,
-                   tie_margin=tie_margin) as spec:
+                   tie_margin=tie_margin, gpu_layers=gpu_layers) as spec:
         for prompt in prompts:
             ref = plain.generate(prompt, max_tokens=max_tokens).complete_tokens()
             gen = spec.generate(prompt, max_tokens=max_tokens)

@@ -17,6 +17,7 @@ import ctypes
 import os
 import re
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 from . import libs
@@ -56,12 +57,23 @@ def _import_llama_cpp(exact: bool) -> str:
     try:
         import llama_cpp  # noqa: F401  (reads LLAMA_CPP_LIB_PATH here, and only here)
     except (OSError, RuntimeError) as e:     # a library that would not load: say which set
-        raise LocalspecError(f"llama.cpp did not load from {account}: {e}; rerun ./install.sh.") \
-            from None
+        raise LocalspecError(f"llama.cpp did not load from {account}: {e}; "
+                             f"{_load_fix(str(e))}") from None
     finally:
         if given is None:                    # child processes choose for themselves
             os.environ.pop("LLAMA_CPP_LIB_PATH", None)
     return account
+
+
+def _load_fix(error: str) -> str:
+    """What to do when the libraries would not load: a GPU build on a machine without that GPU's
+    driver fails here (CUDA: libcuda.so.1 is the driver's), not with a crash later."""
+    for lib, what in (("libcuda", "NVIDIA's driver"), ("libcublas", "NVIDIA's CUDA libraries"),
+                      ("libcudart", "NVIDIA's CUDA libraries"), ("libvulkan", "the Vulkan loader")):
+        if lib in error:
+            return (f"this is a GPU build and {what} is missing: install it, or reinstall for "
+                    "the CPU with LOCALSPEC_BACKEND=cpu ./install.sh.")
+    return "rerun ./install.sh."
 
 
 def library_account() -> str:
@@ -81,7 +93,8 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     if level != 5:
         _log_state["last_shown"] = level >= _log_state["min_level"]
     placement = _log_state.get("placement")
-    if placement is not None and text and (b"using device " in text or b"offloaded " in text):
+    if placement is not None and text and (b"using device " in text or b"offloaded " in text
+                                           or b" assigned to device " in text):
         placement.append(text.decode("utf-8", "replace"))   # a load says where layers go
     if _log_state.get("last_shown") and text:
         captured = _log_state.get("captured")
@@ -154,6 +167,71 @@ def backend_version() -> str:
 
 def supports_gpu_offload() -> bool:
     return bool(C.llama_supports_gpu_offload())
+
+
+# ggml_backend_dev_type: 0 CPU, 1 GPU (dedicated memory), 2 IGPU (host memory), 3 ACCEL, 4 META
+_DEVICE_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}
+OFFLOAD_TYPES = ("GPU", "IGPU")      # where --gpu-layers puts layers (RPC servers count as GPU)
+NOT_GPU_BACKENDS = ("CPU", "RPC", "BLAS")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device ggml's registry holds: "Vulkan0", "llvmpipe (LLVM 15.0.6, 256 bits)", "GPU"."""
+
+    name: str
+    description: str
+    type: str
+    free_mib: int
+    total_mib: int
+
+
+def devices() -> list:
+    """Every device llama.cpp can place layers on, the CPU included, in registry order."""
+    count = ggml_function("ggml_backend_dev_count", ctypes.c_size_t)
+    get = ggml_function("ggml_backend_dev_get", ctypes.c_void_p, ctypes.c_size_t)
+    name = ggml_function("ggml_backend_dev_name", ctypes.c_char_p, ctypes.c_void_p)
+    desc = ggml_function("ggml_backend_dev_description", ctypes.c_char_p, ctypes.c_void_p)
+    kind = ggml_function("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
+    memory = ggml_function("ggml_backend_dev_memory", None, ctypes.c_void_p,
+                           ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
+    out = []
+    for i in range(count()):
+        dev = get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(Device((name(dev) or b"?").decode(), (desc(dev) or b"").decode(),
+                          _DEVICE_TYPES.get(kind(dev), "?"), free.value >> 20, total.value >> 20))
+    return out
+
+
+def gpu_backends() -> list:
+    """The GPU backends compiled into this build ("Vulkan", "CUDA", "Metal"); [] for a CPU build
+    (RPC, which sends layers to other hosts, is not one)."""
+    count = ggml_function("ggml_backend_reg_count", ctypes.c_size_t)
+    get = ggml_function("ggml_backend_reg_get", ctypes.c_void_p, ctypes.c_size_t)
+    name = ggml_function("ggml_backend_reg_name", ctypes.c_char_p, ctypes.c_void_p)
+    names = [(name(get(i)) or b"?").decode() for i in range(count())]
+    return [n for n in names if n.upper() not in NOT_GPU_BACKENDS]
+
+
+def check_offload(n_gpu_layers: int) -> None:
+    """Before a load that asks for `n_gpu_layers` on a device: fail in one line, with the fix,
+    when there is nowhere to put them (llama.cpp would silently keep every layer on the CPU)."""
+    if n_gpu_layers == 0 or any(d.type in OFFLOAD_TYPES for d in devices()):
+        return
+    backends = gpu_backends()
+    if not backends:
+        raise LocalspecError(
+            "--gpu-layers: this llama.cpp build has no GPU backend (a CPU build); leave "
+            "--gpu-layers at 0, put layers on another machine with --rpc HOST:PORT (`localspec "
+            "rpc-server` there), or rerun ./install.sh on a machine with a GPU.")
+    hidden = " (a CPU-type Vulkan device such as lavapipe is used only when " \
+        "GGML_VK_VISIBLE_DEVICES=0 names it)" if "Vulkan" in backends else ""
+    raise LocalspecError(
+        f"--gpu-layers: this llama.cpp build has the {'/'.join(backends)} backend but found no "
+        f"device{hidden}; install or fix the GPU driver, or reinstall for the CPU with "
+        "LOCALSPEC_BACKEND=cpu ./install.sh.")
 
 
 _state = {"decoded": False}

@@ -29,13 +29,20 @@ class ModelParams:
 
 def _placement(lines: list) -> str:
     """Where llama.cpp put the layers, from its load log: e.g. "31/31 layers on RPC0
-    (10.0.0.2:50052)"; "" when every layer stayed on the CPU."""
+    (10.0.0.2:50052)", "3/29 layers on Vulkan0 (llvmpipe) (CPU 26, Vulkan0 3)" (per device
+    when llama.cpp said so, at its debug level); "" when every layer stayed on the CPU."""
     devices = [line.split("using device ", 1)[1].split(" (unknown id)")[0].split(" - ")[0].strip()
                for line in lines if "using device " in line]
     counts = [line.split("offloaded ", 1)[1].split()[0] for line in lines if "offloaded " in line]
     if not devices or not counts or counts[0].startswith("0/"):
         return ""
-    return f"{counts[0]} layers on {', '.join(devices)}"
+    per_device: dict = {}
+    for line in lines:           # "load_tensors: layer   3 assigned to device Vulkan0, is_swa = 0"
+        if " assigned to device " in line and "load_tensors" in line:
+            dev = line.split(" assigned to device ", 1)[1].split(",")[0].strip()
+            per_device[dev] = per_device.get(dev, 0) + 1
+    split = f" ({', '.join(f'{d} {n}' for d, n in per_device.items())})" if per_device else ""
+    return f"{counts[0]} layers on {', '.join(devices)}{split}"
 
 
 def _check_gguf_file(path: Path) -> None:
@@ -66,6 +73,7 @@ class Model:
         mp.use_extra_bufts = extra
         self.repacked = bool(extra)       # CPU weight repacking on: part of the speed identity
         self.n_gpu_layers = params.n_gpu_layers
+        _b.check_offload(params.n_gpu_layers)     # nowhere to put the layers: say so, not CPU
         _b._log_state["captured"], _b._log_state["placement"] = [], []
         try:
             self._model = _b.C.llama_model_load_from_file(str(self.path).encode(), mp)
@@ -79,6 +87,7 @@ class Model:
             raise LocalspecError(f"llama.cpp could not load {self.path}: {reason}; re-pull the "
                                  "model or check the file.")
         self.placement = _placement(placement)
+        self.n_layer: int = _b.C.llama_model_n_layer(self._model)
         self._vocab = _b.C.llama_model_get_vocab(self._model)
         self.n_vocab: int = _b.C.llama_vocab_n_tokens(self._vocab)
         self.bos: int = _b.C.llama_vocab_bos(self._vocab)

@@ -30,6 +30,8 @@ def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
              tiled_matmul_off()]
     if n_gpu_layers and rpc_attached():    # layers on other hosts: another device entirely
         ident.append(list(rpc_attached()))
+    if ctx.model.placement:   # offloaded: which device and how many layers ("3/3 layers on
+        ident.append(ctx.model.placement)  # Vulkan0 (llvmpipe...)"); CPU keys stay as they were
     ident = json.dumps(ident)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 

@@ -73,10 +73,21 @@ def load_model(target: Union[str, os.PathLike], n_gpu_layers: int = 0,
         enable_exact_kernels()
     attach_rpc(rpc)
     model = Model(resolve_model(str(target)), model_params(n_gpu_layers, exact))
-    if rpc:
-        print(f"localspec: {model.path.name}: {model.placement or 'every layer on this machine'}",
-              file=sys.stderr)
+    if rpc or n_gpu_layers:
+        print(placement_line(model), file=sys.stderr)
     return model
+
+
+def placement_line(model: Model) -> str:
+    """Where a model asked to offload put its layers (RPC and devices are otherwise silent),
+    e.g. "localspec: m.gguf: 3/3 layers on Vulkan0 (llvmpipe) (Vulkan0 3), KV cache with them";
+    a request beyond the model's layers (n_layer + the output layer) is clamped and said so."""
+    line = f"localspec: {model.path.name}: {model.placement or 'every layer on this machine'}"
+    if model.placement:
+        line += ", KV cache with them"           # llama.cpp's default: KV follows its layer
+    if model.n_gpu_layers > model.n_layer + 1:
+        line += f" (asked for {model.n_gpu_layers}: clamped to the model's {model.n_layer + 1})"
+    return line
 
 
 def context_params(config: EngineConfig) -> ContextParams:
@@ -123,6 +134,8 @@ def load_draft(config: EngineConfig, target: Model,
                cache: Optional[PromptCache] = None) -> DraftProposer:
     layers = config.n_gpu_layers if config.draft_gpu_layers is None else config.draft_gpu_layers
     model = Model(resolve_model(config.draft), model_params(layers, config.exact))
+    if layers or config.rpc:
+        print(placement_line(model).replace("localspec: ", "localspec: draft ", 1), file=sys.stderr)
     try:
         report = check_pair(target, model)
         if not report.ok:

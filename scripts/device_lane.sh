@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The device lane: the tests marked `device` (pytest -m device), run on llama.cpp's Vulkan backend.
+# On a machine without a GPU the device is Mesa's lavapipe, a Vulkan driver that runs on the CPU:
+# slow, but the same device paths CUDA and Metal take (weights and KV cache in device buffers,
+# the graph split between backends, states copied to and from the device).
+#   1. the Debian packages it needs, apt-get installed only when missing
+#   2. its own venv (.venv-device) made by ./install.sh with LOCALSPEC_BACKEND=vulkan: the Vulkan
+#      wheel is cached per flag set beside the CPU one (~/.cache/localspec/wheels), so a rerun
+#      takes seconds; the CPU venv (.venv) is not touched
+#   3. `localspec doctor` (backend, devices) and pytest -m device, ending with pytest's summary
+#      line; the exit status is pytest's (0 only if every device test passed)
+# llama.cpp skips CPU-type Vulkan devices unless GGML_VK_VISIBLE_DEVICES names them: 0 here.
+# Usage: scripts/device_lane.sh [pytest args]    Env: LOCALSPEC_DEVICE_VENV, GGML_VK_VISIBLE_DEVICES
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${LOCALSPEC_DEVICE_VENV:-.venv-device}
+PACKAGES="mesa-vulkan-drivers libvulkan-dev glslc spirv-headers vulkan-tools"
+t0=$(date +%s)
+
+missing=""
+for p in $PACKAGES; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  command -v apt-get >/dev/null || { echo "device_lane.sh: needs$missing (Debian package names)" >&2; exit 1; }
+  SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
+  echo "device_lane.sh: apt-get install$missing" >&2
+  mkdir -p "$VENV"
+  if ! { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive \
+         apt-get install -y -qq $missing; } > "$VENV/apt.log" 2>&1; then
+    echo "device_lane.sh: apt-get failed; log: $VENV/apt.log" >&2; tail -n 20 "$VENV/apt.log" >&2; exit 1
+  fi
+fi
+
+LOCALSPEC_VENV=$VENV LOCALSPEC_BACKEND=vulkan LOCALSPEC_EXACT_LIBS=0 ./install.sh
+t1=$(date +%s)
+echo "device_lane.sh: packages and install took $((t1 - t0)) s" >&2
+
+export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}
+"$VENV/bin/localspec" doctor --build-only >&2
+set +e
+"$VENV/bin/python" -m pytest -m device -q -p no:cacheprovider -o addopts="" "$@"
+rc=$?
+echo "device_lane.sh: tests took $(( $(date +%s) - t1 )) s" >&2
+exit $rc
