@@ -32,6 +32,36 @@ if [ -n "$missing" ]; then
   fi
 fi
 
+# Debian 12's Vulkan headers (1.3.239) lack VK_EXT_layer_settings, which the vendored llama.cpp
+# uses unguarded (its build stops in ggml-vulkan.cpp). Debian 13's libvulkan-dev has them: its
+# headers alone are unpacked into the cache (a private apt list; the system's sources and
+# packages are not touched) and handed to CMake. The installed 1.3.239 loader stays: ggml looks
+# Vulkan's functions up at run time.
+HOME_DIR=${LOCALSPEC_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}
+if [ -z "${VULKAN_SDK:-}" ] && ! grep -q VK_EXT_layer_settings /usr/include/vulkan/vulkan_core.h; then
+  HEADERS=$(ls -d "$HOME_DIR"/vulkan-headers/*/include 2>/dev/null | tail -n 1)
+  if [ -z "$HEADERS" ]; then
+    echo "device_lane.sh: the Vulkan headers here are too old; unpacking Debian 13's" >&2
+    apt=$(mktemp -d)
+    mkdir -p "$apt/lists/partial"
+    echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg]" \
+         "http://deb.debian.org/debian trixie main" > "$apt/sources.list"
+    opts=(-o "Dir::Etc::sourcelist=$apt/sources.list" -o "Dir::Etc::sourceparts=-"
+          -o "Dir::State::Lists=$apt/lists" -o "Dir::Cache=$apt/cache")
+    if ! { apt-get "${opts[@]}" update -qq && (cd "$apt" && apt-get "${opts[@]}" download \
+           libvulkan-dev); } > "$apt/log" 2>&1; then
+      echo "device_lane.sh: fetching Debian 13's libvulkan-dev failed:" >&2; tail -n 5 "$apt/log" >&2
+      exit 1
+    fi
+    deb=$(ls "$apt"/libvulkan-dev_*.deb)
+    dest=$HOME_DIR/vulkan-headers/$(dpkg-deb -f "$deb" Version)
+    dpkg-deb -x "$deb" "$apt/x" && mkdir -p "$dest" && cp -a "$apt/x/usr/include" "$dest/"
+    rm -rf "$apt"
+    HEADERS=$dest/include
+  fi
+  export CMAKE_ARGS="${CMAKE_ARGS:-} -DVulkan_INCLUDE_DIR=$HEADERS"
+fi
+
 LOCALSPEC_VENV=$VENV LOCALSPEC_BACKEND=vulkan LOCALSPEC_EXACT_LIBS=0 ./install.sh
 t1=$(date +%s)
 echo "device_lane.sh: packages and install took $((t1 - t0)) s" >&2

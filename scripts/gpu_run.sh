@@ -2,13 +2,13 @@
 # Runs on a lent GPU machine (no network) what scripts/gpu_bundle.sh packed; results go to $OUT.
 #   scripts/gpu_run.sh setup     venv over the image's packages, ./install.sh offline (CUDA build of
 #                                the trimmed sdist, resumable), localspec's C extension
-#   scripts/gpu_run.sh test      the test suite with every model offloaded (--gpu-layers -1)
+#   scripts/gpu_run.sh test      the device tests (pytest -m device), models offloaded
 #   scripts/gpu_run.sh measure   random-weight models of the real shapes, r(k) to k=32, identity on
 #                                20 prompts, draft cost, per-step overhead (engine vs prototype)
 # Phases can be chained: `scripts/gpu_run.sh setup test`. Everything stays in ignored folders
 # (.venv, .gpu-src, .gpu-build, .gpu-home, .gpu-models), so a later call on the still-warm
 # machine reuses it, and `setup` after a timeout resumes the build.
-# On a CPU machine LOCALSPEC_CUDA=0 runs the same lines without CUDA (how this script was tested).
+# On a CPU machine LOCALSPEC_BACKEND=cpu runs the same lines without CUDA (how this script was tested).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.gpu-out}
@@ -61,8 +61,8 @@ setup() {
 }
 
 run_tests() {
-  say "tests, every model offloaded ($LAYERS layers)"
-  LOCALSPEC_TEST_GPU_LAYERS=$LAYERS timeout "${TEST_TIMEOUT:-540}" "$VPY" -m pytest -q -p no:cacheprovider \
+  say "device tests (pytest -m device: models offloaded, tests/test_device.py)"
+  timeout "${TEST_TIMEOUT:-540}" "$VPY" -m pytest -q -p no:cacheprovider -m device \
     tests/ > "$OUT/tests.log" 2>&1
   local rc=$?
   tail -25 "$OUT/tests.log" | tee -a "$OUT/run.log" >&2

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from localspec.llama.buildflags import (BackendError, Host, choose, cuda_arch_of,
-                                        exact_cmake_args, vulkan_devices_of, vulkan_missing)
+from localspec.llama.buildflags import (NEWER_HEADERS, BackendError, Host, choose, cmake_define,
+                                        cuda_arch_of, exact_cmake_args, vulkan_devices_of,
+                                        vulkan_missing)
 
 BUILDFLAGS = Path(__file__).resolve().parents[1] / "localspec" / "llama" / "buildflags.py"
 AMX_FLAGS = "flags : fpu avx avx2 fma f16c bmi2 avx512f avx512_vnni amx_tile amx_int8\n"
@@ -96,7 +97,7 @@ def test_localspec_backend_forces_and_checks_what_it_needs():
         "-DGGML_VULKAN=ON"
     assert choose(linux(nvcc=True, nvidia_gpu=True, backend_env="CPU")).backend == "cpu"
     assert choose(linux(nvcc=True, backend_env="cuda")).backend == "cuda"
-    with pytest.raises(BackendError, match="apt-get install libvulkan-dev glslc spirv-headers"):
+    with pytest.raises(BackendError, match="apt-get install libvulkan-dev glslc spirv-headers,"):
         choose(linux(backend_env="vulkan", vulkan_missing=ALL_VULKAN))
     with pytest.raises(BackendError, match="needs nvcc"):
         choose(linux(backend_env="cuda"))
@@ -133,11 +134,19 @@ def test_vulkaninfo_summary_is_read_per_device():
     assert vulkan_devices_of("no devices\n") == ()
 
 
-def test_vulkan_sdk_named_by_vulkan_sdk_counts(tmp_path):
-    for rel in ("include/vulkan/vulkan.h", "bin/glslc", "share/cmake/SPIRV-Headers/x.cmake"):
+def test_vulkan_sdk_named_by_vulkan_sdk_counts_and_old_headers_are_found_out(tmp_path):
+    for rel in ("include/vulkan/vulkan_core.h", "bin/glslc", "share/cmake/SPIRV-Headers/x.cmake"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("")
+        (tmp_path / rel).write_text("#define VK_EXT_layer_settings 1\n")
     assert vulkan_missing({"VULKAN_SDK": str(tmp_path)}) == ()
+    old = tmp_path / "old"
+    (old / "vulkan").mkdir(parents=True)
+    (old / "vulkan" / "vulkan_core.h").write_text("#define VK_HEADER_VERSION 239\n")
+    env = {"VULKAN_SDK": str(tmp_path), "CMAKE_ARGS": f"-DVulkan_INCLUDE_DIR={old}"}
+    assert vulkan_missing(env) == (NEWER_HEADERS,)
+    with pytest.raises(BackendError, match="VK_EXT_layer_settings"):
+        choose(linux(backend_env="vulkan", vulkan_missing=(NEWER_HEADERS,)))
+    assert cmake_define(["-DA=1", "-DVulkan_INCLUDE_DIR:PATH=/x"], "Vulkan_INCLUDE_DIR") == "/x"
 
 
 def run_buildflags(*args, **env):

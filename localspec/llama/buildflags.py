@@ -135,24 +135,56 @@ def host_vulkan_devices() -> Optional[tuple]:
     return vulkan_devices_of(out.stdout) if out.returncode == 0 else None
 
 
+NEWER_HEADERS = "newer Vulkan headers"
+
+
+def cmake_define(args: list, name: str) -> str:
+    """The value of -D<name>=... (or -D<name>:TYPE=...) in a list of CMake flags, "" if absent."""
+    for a in args:
+        key, _, value = a[2:].partition("=") if a.startswith("-D") else ("", "", "")
+        if key.split(":")[0] == name:
+            return value
+    return ""
+
+
 def vulkan_missing(env: Optional[dict] = None) -> tuple:
-    """Debian packages of what a Vulkan build needs that this host lacks: the headers and
-    loader (libvulkan-dev), the shader compiler (glslc), ggml's SPIR-V headers (spirv-headers).
-    A Vulkan SDK named by VULKAN_SDK counts for all three."""
+    """What a Vulkan build needs that this host lacks, as Debian packages: the headers and
+    loader (libvulkan-dev), the shader compiler (glslc), ggml's SPIR-V headers (spirv-headers);
+    and NEWER_HEADERS when the headers lack VK_EXT_layer_settings, which the vendored llama.cpp
+    uses unguarded (Debian 12's 1.3.239 do; Debian 13's 1.4.309 have it). A Vulkan SDK named by
+    VULKAN_SDK, or headers named by CMAKE_ARGS' -DVulkan_INCLUDE_DIR, are looked at first."""
     env = os.environ if env is None else env
     roots = [Path(env["VULKAN_SDK"])] if env.get("VULKAN_SDK") else []
     roots += [Path("/usr"), Path("/usr/local")]
+
     def found(*rel):
-        return any((root / r).exists() for root in roots for r in rel)
+        return next((root / r for root in roots for r in rel if (root / r).exists()), None)
+
+    given = cmake_define(env.get("CMAKE_ARGS", "").split(), "Vulkan_INCLUDE_DIR")
+    header = Path(given) / "vulkan" / "vulkan_core.h" if given else \
+        found("include/vulkan/vulkan_core.h")
     missing = []
-    if not found("include/vulkan/vulkan.h"):
+    if header is None or not header.exists():
         missing.append("libvulkan-dev")
+    elif "VK_EXT_layer_settings" not in header.read_text(errors="replace"):
+        missing.append(NEWER_HEADERS)
     if not (shutil.which("glslc") or found("bin/glslc")):
         missing.append("glslc")
     if not found("share/cmake/SPIRV-Headers", "lib/cmake/SPIRV-Headers",
-                 "lib/x86_64-linux-gnu/cmake/SPIRV-Headers", "lib/aarch64-linux-gnu/cmake/SPIRV-Headers"):
+                 "lib/x86_64-linux-gnu/cmake/SPIRV-Headers",
+                 "lib/aarch64-linux-gnu/cmake/SPIRV-Headers"):
         missing.append("spirv-headers")
     return tuple(missing)
+
+
+def vulkan_fix(missing: tuple) -> str:
+    """What to do about vulkan_missing()'s answer, in one clause."""
+    packages = [m for m in missing if m != NEWER_HEADERS]
+    fixes = [f"apt-get install {' '.join(packages)}"] if packages else []
+    if NEWER_HEADERS in missing:
+        fixes.append("Vulkan headers with VK_EXT_layer_settings (CMAKE_ARGS=-DVulkan_INCLUDE_DIR="
+                     "DIR; scripts/device_lane.sh unpacks Debian 13's libvulkan-dev for this)")
+    return "; ".join(fixes) + ", or set VULKAN_SDK to a Vulkan SDK"
 
 
 BACKENDS = ("cpu", "cuda", "vulkan", "metal")
@@ -206,8 +238,7 @@ def _forced(host: Host) -> tuple:
 def _check_forced(host: Host, backend: str) -> None:
     if backend == "vulkan" and host.vulkan_missing:
         raise BackendError(f"LOCALSPEC_BACKEND=vulkan needs {', '.join(host.vulkan_missing)}: "
-                           f"apt-get install {' '.join(host.vulkan_missing)} (Debian/Ubuntu), "
-                           "or set VULKAN_SDK to a Vulkan SDK.")
+                           f"{vulkan_fix(host.vulkan_missing)}.")
     if backend == "cuda" and not host.nvcc:
         raise BackendError("LOCALSPEC_BACKEND=cuda needs nvcc (the CUDA toolkit) on PATH or in "
                            "/usr/local/cuda/bin.")
@@ -233,8 +264,8 @@ def decide(host: Host) -> tuple:
         return "vulkan", f"Vulkan GPU {gpus[0]} found, with the Vulkan headers and glslc"
     if gpus:
         return "cpu", (f"Vulkan GPU {gpus[0]} found but {', '.join(host.vulkan_missing)} "
-                       f"missing: CPU build (apt-get install {' '.join(host.vulkan_missing)}, "
-                       "then rerun ./install.sh)")
+                       f"missing: CPU build ({vulkan_fix(host.vulkan_missing)}; then rerun "
+                       "./install.sh)")
     why = ["no GPU found"]
     if host.nvcc and not host.nvidia_gpu:
         why = ["nvcc found but no NVIDIA GPU"]
