@@ -10,7 +10,7 @@
 #   .gpu/smollm2.part1, .gpu2/smollm2.part2   the real SmolLM2-135M in two halves: the first call
 #                carries .gpu, the second .gpu2 (a path not named in `carry` stays on the machine)
 # Usage: scripts/gpu_bundle.sh          Env: PYTHON (default .venv/bin/python), LOCALSPEC_HOME
-# Then see docs/gpu.md for the two device calls.
+# Then see docs/gpu-lent-machine.md for the device calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 V=0.3.36                                   # keep in step with install.sh

@@ -303,3 +303,13 @@ def test_serve_http_answers_with_the_model_on_the_device(tiny_path, tmp_path, gp
         assert f"layers on {gpu.name}" in srv.err()
     finally:
         srv.close()
+
+
+def test_a_gpu_build_without_its_device_refuses_in_one_line(tiny_path, gpu, tmp_path):
+    """The device hidden (as on a machine without it): one line with the fix, exit 1."""
+    env = {**home_env(tmp_path), "GGML_VK_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "localspec", "generate", "-m", str(tiny_path),
+                        "-n", "4", "--gpu-layers", "-1", "hello"], capture_output=True, text=True,
+                       env=env)
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    assert "found no device" in r.stderr and "LOCALSPEC_BACKEND=cpu ./install.sh" in r.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -33,3 +34,44 @@ def test_gpu_line_says_rpc_only_when_no_gpu_backend_is_built():
                     "no GPU backend in this build; layers can go to RPC servers (--rpc)")
     if supports_gpu_offload():
         assert gpu_offload_line("CUDA : ARCHS = 900 | CPU : AVX2 = 1 |") == "yes"
+
+
+def test_doctor_names_the_backend_the_devices_and_what_install_would_build():
+    r = doctor("--build-only")
+    assert r.returncode == 0, r.stderr
+    assert "backend: " in r.stdout and "(this build)" in r.stdout
+    assert "  device CPU: " in r.stdout                  # the CPU is always a device
+    assert "install.sh here would build: " in r.stdout or "install.sh here would stop: " in r.stdout
+
+
+def test_gpu_layers_with_nowhere_to_put_them_is_one_line_and_exit_1(tiny_path):
+    """On a CPU build (CI) --gpu-layers names --rpc; a GPU build without its device names the
+    driver and LOCALSPEC_BACKEND=cpu. Never a silent CPU run, a traceback or a crash."""
+    from localspec.llama import devices, gpu_backends
+
+    if any(d.type in ("GPU", "IGPU") for d in devices()):
+        return                                   # a device is present: nothing to refuse here
+    r = subprocess.run([sys.executable, "-m", "localspec", "generate", "-m", str(tiny_path),
+                        "-n", "4", "--gpu-layers", "-1", "hello"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "GGML_VK_VISIBLE_DEVICES": ""})
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if "--gpu-layers" in ln)
+    if gpu_backends():
+        assert "found no device" in line and "LOCALSPEC_BACKEND=cpu" in line
+    else:
+        assert "no GPU backend" in line and "--rpc" in line
+
+
+def test_layers_beyond_the_model_are_clamped_in_the_placement_line():
+    """What `placement_line` says for an over-asked offload, whatever device took the layers."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from localspec.spec.factory import placement_line
+
+    model = SimpleNamespace(path=Path("m.gguf"), placement="31/31 layers on Vulkan0 (x)",
+                            n_gpu_layers=99, n_layer=30)
+    assert placement_line(model) == ("localspec: m.gguf: 31/31 layers on Vulkan0 (x), KV cache "
+                                     "with them (asked for 99: clamped to the model's 31)")
+    cpu = SimpleNamespace(path=Path("m.gguf"), placement="", n_gpu_layers=0, n_layer=30)
+    assert placement_line(cpu) == "localspec: m.gguf: every layer on this machine"
