@@ -114,9 +114,10 @@ def test_greedy_speculative_equals_plain_on_the_device_tiny(dev_tiny, device_rep
 
 @pytest.mark.smollm
 def test_greedy_speculative_equals_plain_on_the_device_smollm(dev_smollm, device_report):
-    diverged = assert_greedy_lossless(dev_smollm, chats(PROMPTS[::2]), max_tokens=32, fixed_k=4,
+    # Five chats, 24 tokens: SmolLM2 decodes at ~1.6 tok/s on lavapipe (2 vCPUs).
+    diverged = assert_greedy_lossless(dev_smollm, chats(PROMPTS[::4]), max_tokens=24, fixed_k=4,
                                       gpu_layers=ALL)
-    device_report.append(f"SmolLM2, n-gram on device: {10 - len(diverged)}/10 identical to "
+    device_report.append(f"SmolLM2, n-gram on device: {5 - len(diverged)}/5 identical to "
                          f"plain; divergences (pos, top-2 gap): "
                          f"{[(d, round(g, 3)) for _, d, g in diverged]}")
 
@@ -156,7 +157,9 @@ def identity_vs_cpu(dev_model, cpu_model, prompts, max_tokens):
     """Plain greedy on the device vs on the CPU, same build: (identical count, [(pos, CPU top-2
     gap, device top-2 gap)] at each divergence, mean decode tok/s on the device, on the CPU)."""
     same, diverged, tps = 0, [], {"dev": [], "cpu": []}
-    cfg = EngineConfig(proposer="none", n_ctx=1024, n_threads=2, cache_mb=0)
+    # One CPU thread: lavapipe runs its own threads, and two spinning thread pools on two cores
+    # (or beside another job) slow both down by an order of magnitude.
+    cfg = EngineConfig(proposer="none", n_ctx=1024, n_threads=1, cache_mb=0)
     with Engine(dev_model, cfg) as dev, Engine(cpu_model, cfg) as cpu:
         for prompt in prompts:
             outs = {}
@@ -184,11 +187,11 @@ def test_device_and_cpu_agree_up_to_near_ties_tiny(dev_tiny, tiny_model, device_
 
 @pytest.mark.smollm
 def test_device_and_cpu_agree_up_to_near_ties_smollm(dev_smollm, smollm, device_report):
-    prompts = chats(PROMPTS[::2])
-    same, diverged, dev_tps, cpu_tps = identity_vs_cpu(dev_smollm, smollm, prompts, 32)
+    prompts = chats(PROMPTS[::4])
+    same, diverged, dev_tps, cpu_tps = identity_vs_cpu(dev_smollm, smollm, prompts, 24)
     device_report.append(f"SmolLM2, device vs CPU plain greedy: {same}/{len(prompts)} identical; "
                          f"divergences (pos, CPU top-2 gap, device top-2 gap): {diverged}; "
-                         f"decode {dev_tps:.1f} tok/s device, {cpu_tps:.1f} CPU (2 threads)")
+                         f"decode {dev_tps:.1f} tok/s device, {cpu_tps:.1f} CPU (1 thread)")
     assert all(cpu_gap < TIE_GAP for _, cpu_gap, _ in diverged), diverged
 
 
@@ -287,9 +290,9 @@ def test_serve_stdio_answers_with_the_model_on_the_device(tiny_path, tmp_path, g
     try:
         res = srv.call("generate", {"prompt": "abcabcabc", "max_tokens": 12, "stream": False})
         assert "result" in res and res["result"]["text"], res
+        assert f"layers on {gpu.name}" in srv.err()
     finally:
         assert srv.close() == 0
-        assert f"layers on {gpu.name}" in srv.err()
 
 
 def test_serve_http_answers_with_the_model_on_the_device(tiny_path, tmp_path, gpu):

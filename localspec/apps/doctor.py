@@ -65,6 +65,9 @@ def gpu_offload_line(features: str) -> str:
     to other hosts); say which it is."""
     if not supports_gpu_offload():
         return "no (CPU build)"
+    built = gpu_backends()          # llama.cpp's feature line does not name every GPU backend
+    if built:
+        return f"yes ({'/'.join(built)})"
     if any(name in features.upper() for name in GPU_BACKENDS):
         return "yes"
     return "no GPU backend in this build; layers can go to RPC servers (--rpc)"
