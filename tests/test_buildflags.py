@@ -96,7 +96,10 @@ def test_localspec_backend_forces_and_checks_what_it_needs():
     assert choose(linux(backend_env="vulkan", vulkan_devices=LAVAPIPE)).args[-1] == \
         "-DGGML_VULKAN=ON"
     assert choose(linux(nvcc=True, nvidia_gpu=True, backend_env="CPU")).backend == "cpu"
-    assert choose(linux(nvcc=True, backend_env="cuda")).backend == "cuda"
+    assert choose(linux(nvcc=True, backend_env="cuda", cuda_arch="86")).args[-1] == \
+        "-DCMAKE_CUDA_ARCHITECTURES=86"
+    with pytest.raises(BackendError, match="LOCALSPEC_CUDA_ARCH=89"):
+        choose(linux(nvcc=True, backend_env="cuda"))
     with pytest.raises(BackendError, match="apt-get install libvulkan-dev glslc spirv-headers,"):
         choose(linux(backend_env="vulkan", vulkan_missing=ALL_VULKAN))
     with pytest.raises(BackendError, match="needs nvcc"):
@@ -108,7 +111,7 @@ def test_localspec_backend_forces_and_checks_what_it_needs():
 
 
 def test_the_older_localspec_cuda_switch_still_works():
-    on = choose(linux(nvcc=True, cuda_env="1"))
+    on = choose(linux(nvcc=True, cuda_env="1", cuda_arch="89"))
     assert on.backend == "cuda" and "LOCALSPEC_CUDA=1" in on.reason
     off = choose(linux(nvcc=True, nvidia_gpu=True, cuda_env="0"))
     assert off.backend == "cpu" and "LOCALSPEC_CUDA=0" in off.reason

@@ -308,9 +308,14 @@ def test_serve_http_answers_with_the_model_on_the_device(tiny_path, tmp_path, gp
         srv.close()
 
 
-def test_a_gpu_build_without_its_device_refuses_in_one_line(tiny_path, gpu, tmp_path):
-    """The device hidden (as on a machine without it): one line with the fix, exit 1."""
-    env = {**home_env(tmp_path), "GGML_VK_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": ""}
+@pytest.mark.parametrize("hide", [
+    {"GGML_VK_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": ""},     # no device visible
+    {"VK_ICD_FILENAMES": "/nonexistent/icd.json"},                     # no Vulkan driver at all
+])
+def test_a_gpu_build_without_its_device_refuses_in_one_line(tiny_path, gpu, tmp_path, hide):
+    """The device or its driver missing (as on a machine without them): one line with the fix,
+    exit 1, no crash."""
+    env = {**home_env(tmp_path), **hide}
     r = subprocess.run([sys.executable, "-m", "localspec", "generate", "-m", str(tiny_path),
                         "-n", "4", "--gpu-layers", "-1", "hello"], capture_output=True, text=True,
                        env=env)

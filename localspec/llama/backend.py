@@ -18,6 +18,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from . import libs
@@ -205,14 +206,25 @@ def devices() -> list:
     return out
 
 
+_GPU_LIBRARIES = {"libggml-cuda": "CUDA", "libggml-vulkan": "Vulkan", "libggml-metal": "Metal",
+                  "libggml-hip": "HIP", "libggml-sycl": "SYCL"}
+
+
 def gpu_backends() -> list:
     """The GPU backends compiled into this build ("Vulkan", "CUDA", "Metal"); [] for a CPU build
-    (RPC, which sends layers to other hosts, is not one)."""
+    (RPC, which sends layers to other hosts, is not one). From ggml's registry, and from the
+    libraries beside libllama: a backend whose driver is missing (no Vulkan ICD) is left out of
+    the registry, but its library says the build has it."""
     count = ggml_function("ggml_backend_reg_count", ctypes.c_size_t)
     get = ggml_function("ggml_backend_reg_get", ctypes.c_void_p, ctypes.c_size_t)
     name = ggml_function("ggml_backend_reg_name", ctypes.c_char_p, ctypes.c_void_p)
     names = [(name(get(i)) or b"?").decode() for i in range(count())]
-    return [n for n in names if n.upper() not in NOT_GPU_BACKENDS]
+    names = [n for n in names if n.upper() not in NOT_GPU_BACKENDS]
+    folder = Path(C.llama_cpp._lib._name).parent
+    for prefix, backend in _GPU_LIBRARIES.items():
+        if backend not in names and any(folder.glob(f"{prefix}.*")):
+            names.append(backend)
+    return names
 
 
 def check_offload(n_gpu_layers: int) -> None:

@@ -242,6 +242,9 @@ def _check_forced(host: Host, backend: str) -> None:
     if backend == "cuda" and not host.nvcc:
         raise BackendError("LOCALSPEC_BACKEND=cuda needs nvcc (the CUDA toolkit) on PATH or in "
                            "/usr/local/cuda/bin.")
+    if backend == "cuda" and not host.nvidia_gpu and not host.cuda_arch:
+        raise BackendError("LOCALSPEC_BACKEND=cuda without an NVIDIA GPU here: name the GPU's "
+                           "architecture, e.g. LOCALSPEC_CUDA_ARCH=89 (CMake has none to detect).")
     if backend == "metal" and host.system != "Darwin":
         raise BackendError(f"LOCALSPEC_BACKEND=metal needs macOS; this is {host.system}.")
 
