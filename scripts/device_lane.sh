@@ -63,13 +63,8 @@ if [ -z "${VULKAN_SDK:-}" ] && ! grep -q VK_EXT_layer_settings /usr/include/vulk
 fi
 
 LOCALSPEC_VENV=$VENV LOCALSPEC_BACKEND=vulkan LOCALSPEC_EXACT_LIBS=0 ./install.sh
-t1=$(date +%s)
-echo "device_lane.sh: packages and install took $((t1 - t0)) s" >&2
+echo "device_lane.sh: packages and install took $(( $(date +%s) - t0 )) s" >&2
 
 export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}
 "$VENV/bin/localspec" doctor --build-only >&2
-set +e
-"$VENV/bin/python" -m pytest -m device -q -p no:cacheprovider -o addopts="" "$@"
-rc=$?
-echo "device_lane.sh: tests took $(( $(date +%s) - t1 )) s" >&2
-exit $rc
+exec "$VENV/bin/python" -m pytest -m device -q -p no:cacheprovider "$@"
