@@ -39,7 +39,7 @@ fi
 # Vulkan's functions up at run time.
 HOME_DIR=${LOCALSPEC_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}
 if [ -z "${VULKAN_SDK:-}" ] && ! grep -q VK_EXT_layer_settings /usr/include/vulkan/vulkan_core.h; then
-  HEADERS=$(ls -d "$HOME_DIR"/vulkan-headers/*/include 2>/dev/null | tail -n 1)
+  HEADERS=$(ls -d "$HOME_DIR"/vulkan-headers/*/include 2>/dev/null | tail -n 1 || true)
   if [ -z "$HEADERS" ]; then
     echo "device_lane.sh: the Vulkan headers here are too old; unpacking Debian 13's" >&2
     apt=$(mktemp -d)
