@@ -135,6 +135,7 @@ def test_noisy_cached_curve_is_measured_again_and_the_steadier_kept(tmp_path, mo
         class model:
             path = tmp_path / "m.gguf"
             repacked = True
+            placement = ""                   # every layer on the CPU
         n_threads = 2
 
     Ctx.model.path.write_bytes(b"gguf")
