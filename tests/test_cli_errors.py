@@ -248,3 +248,11 @@ def test_a_folder_in_the_way_of_a_file_is_one_line_or_a_warning(tiny_path, home,
     assert str(where).startswith(str(home))
     where.mkdir(parents=True)
     one_error(cli("generate", "-m", "smollm2-135m", "hi", home=home), "in the way")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "summarize", "bench",
+                                     "calibrate", "doctor", "rpc-server", "models"])
+def test_every_command_explains_itself(command, home):
+    """--help teaches: it runs for every command, with the option types' own metavars."""
+    r = cli(command, "--help", home=home)
+    assert r.returncode == 0 and b"Usage:" in r.stdout and r.stderr == b"", r.stderr

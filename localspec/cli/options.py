@@ -49,7 +49,7 @@ class Number(click.ParamType):
             self.fail(f"{problem}, got {value}.", param, ctx)
         return v
 
-    def get_metavar(self, param, *args):
+    def get_metavar(self, param, ctx=None):
         lo = "" if self.lo is None else f"{self.lo}{'<' if self.lo_open else '<='}"
         hi = "" if self.hi is None else f"<={self.hi}"
         return f"FLOAT {lo}x{hi}" if lo or hi else "FLOAT"
