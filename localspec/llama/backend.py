@@ -187,22 +187,26 @@ class Device:
     total_mib: int
 
 
-def devices() -> list:
-    """Every device llama.cpp can place layers on, the CPU included, in registry order."""
+def device_handles() -> list:
+    """(ggml_backend_dev_t, type name) of every device in ggml's registry, in order."""
     count = ggml_function("ggml_backend_dev_count", ctypes.c_size_t)
     get = ggml_function("ggml_backend_dev_get", ctypes.c_void_p, ctypes.c_size_t)
+    kind = ggml_function("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
+    return [(dev, _DEVICE_TYPES.get(kind(dev), "?")) for dev in (get(i) for i in range(count()))]
+
+
+def devices() -> list:
+    """Every device llama.cpp can place layers on, the CPU included, in registry order."""
     name = ggml_function("ggml_backend_dev_name", ctypes.c_char_p, ctypes.c_void_p)
     desc = ggml_function("ggml_backend_dev_description", ctypes.c_char_p, ctypes.c_void_p)
-    kind = ggml_function("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
     memory = ggml_function("ggml_backend_dev_memory", None, ctypes.c_void_p,
                            ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
     out = []
-    for i in range(count()):
-        dev = get(i)
+    for dev, kind in device_handles():
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         memory(dev, ctypes.byref(free), ctypes.byref(total))
-        out.append(Device((name(dev) or b"?").decode(), (desc(dev) or b"").decode(),
-                          _DEVICE_TYPES.get(kind(dev), "?"), free.value >> 20, total.value >> 20))
+        out.append(Device((name(dev) or b"?").decode(), (desc(dev) or b"").decode(), kind,
+                          free.value >> 20, total.value >> 20))
     return out
 
 

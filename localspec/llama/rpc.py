@@ -13,7 +13,7 @@ import sys
 from typing import Callable, Iterable, Optional
 
 from ..errors import LocalspecError
-from .backend import ggml_function
+from .backend import OFFLOAD_TYPES, device_handles, ggml_function
 
 PROTOCOL_MAJOR = 7          # RPC_PROTO_MAJOR_VERSION of the pinned build: both ends must agree
 _HELLO, _CAPS = 14, 24      # RPC_CMD_HELLO and RPC_CONN_CAPS_SIZE in that source
@@ -129,12 +129,9 @@ def server(host: str, port: int, n_threads: int,
     start = _entry("ggml_backend_rpc_start_server", ctypes.CFUNCTYPE(
         None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
         ctypes.POINTER(ctypes.c_void_p)))
-    count = ggml_function("ggml_backend_dev_count", ctypes.c_size_t)
-    get = ggml_function("ggml_backend_dev_get", ctypes.c_void_p, ctypes.c_size_t)
-    kind = ggml_function("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
-    devices = [get(i) for i in range(count())]
-    # Device types (ggml-backend.h): 0 CPU, 1 GPU, 2 integrated GPU, 3 accelerator, 4 meta.
-    chosen = [d for d in devices if kind(d) in (1, 2)] or [d for d in devices if kind(d) == 0][:1]
+    handles = device_handles()
+    chosen = [d for d, kind in handles if kind in OFFLOAD_TYPES] or \
+        [d for d, kind in handles if kind == "CPU"][:1]
     if not chosen:
         raise LocalspecError("llama.cpp reports no device to serve.")
     devs = (ctypes.c_void_p * len(chosen))(*chosen)
