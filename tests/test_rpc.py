@@ -26,8 +26,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def localspec(*args, home, timeout=180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "LOCALSPEC_HOME": str(home)}
+def localspec(*args, home, timeout=180, env=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LOCALSPEC_HOME": str(home), **(env or {})}
     return subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True,
                           env=env, timeout=timeout)
 
@@ -101,10 +101,12 @@ def test_rpc_server_refuses_a_non_loopback_host_and_a_taken_port(home, rpc_port)
 
 
 def start_server(home, port):
+    """A server in its own process group, so that the test can stop it and its worker at once."""
     log = open(home / f"rpc-server-{port}.txt", "w+b")
     proc = subprocess.Popen([sys.executable, "-m", "localspec", "rpc-server", "--port", str(port),
                              "--threads", "1"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "LOCALSPEC_HOME": str(home)})
+                            env={**os.environ, "LOCALSPEC_HOME": str(home)},
+                            start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -166,3 +168,68 @@ def test_a_server_killed_mid_request_is_one_error_line(tiny_path, home):
     lines = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and f"RPC server 127.0.0.1:{port}" in lines[0], text
     assert "Traceback" not in text and "gdb" not in text and "backtrace" not in text, text
+
+
+def generating_client(tiny_path, home, port, **env):
+    """`generate --rpc` writing until stopped; returns once it has written, its layers remote."""
+    client = subprocess.Popen([sys.executable, "-m", "localspec", "generate", "-m", str(tiny_path),
+                               "--threads", "1", "-n", "100000", "--rpc", f"127.0.0.1:{port}",
+                               "prompt 54: eeeee"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "LOCALSPEC_HOME": str(home), **env},
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert client.stdout.read(20)
+    return client
+
+
+def stalled(server, client, interrupt: bool) -> str:
+    """Stop the server (SIGSTOP: it keeps its sockets but answers nothing), optionally press
+    Ctrl-C at the client, and return what the client wrote on stderr after it ended."""
+    os.killpg(server.pid, signal.SIGSTOP)
+    try:
+        if interrupt:
+            time.sleep(1)                            # inside a call that waits on the server
+            client.send_signal(signal.SIGINT)
+        _, err = client.communicate(timeout=90)      # a hang guard, not a speed limit
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+        for p in (client, server):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return err.decode(errors="replace")
+
+
+def one_error_line(text: str, *needles: str) -> bool:
+    lines = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    clean = "Traceback" not in text and "gdb" not in text and "backtrace" not in text
+    return clean and len(lines) == 1 and all(n in lines[0] for n in needles)
+
+
+def test_a_stalled_server_is_one_error_line_after_the_timeout(tiny_path, home):
+    port = free_port()
+    server, log = start_server(home, port)
+    client = generating_client(tiny_path, home, port, LOCALSPEC_RPC_TIMEOUT="2")
+    text = stalled(server, client, interrupt=False)
+    log.close()
+    assert client.returncode == 1, text
+    assert one_error_line(text, f"RPC server 127.0.0.1:{port}", "silent (2 s"), text
+
+
+def test_ctrl_c_ends_a_client_stuck_on_a_stalled_server(tiny_path, home):
+    """Without a timeout in sight (the default 120 s), Ctrl-C must still end the client: the
+    main thread is inside llama.cpp, so Python's handler cannot run; the watcher exits."""
+    port = free_port()
+    server, log = start_server(home, port)
+    client = generating_client(tiny_path, home, port)
+    text = stalled(server, client, interrupt=True)
+    log.close()
+    assert client.returncode == 130, text
+    assert one_error_line(text, f"RPC server 127.0.0.1:{port}", "interrupted"), text
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "soon"])
+def test_a_bad_rpc_timeout_is_one_line(tiny_path, home, rpc_port, value):
+    out = localspec("generate", "-m", str(tiny_path), "-n", "2", "--rpc", f"127.0.0.1:{rpc_port}",
+                    PROMPT, home=home, env={"LOCALSPEC_RPC_TIMEOUT": value})
+    text = out.stderr.decode()
+    assert out.returncode == 1 and one_error_line(text, "LOCALSPEC_RPC_TIMEOUT"), text

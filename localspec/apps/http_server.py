@@ -26,6 +26,8 @@ from starlette.routing import Route
 
 from ..spec.engine import Engine
 from ..errors import LocalspecError
+from ..llama.rpc import attached as rpc_attached, on_lost as rpc_on_lost
+from .supervise import ready_signal
 from .checks import model_info, no_constants, speculation_info
 from .openai_api import (ApiError, GenRequest, HttpSettings, chunk, closing_chunks, full_response,
                          model_card, model_names, models_list, parse_chat, parse_completion)
@@ -70,6 +72,7 @@ class Worker:
         self._mean_s = 1.0                  # running mean of a job's duration, for Retry-After
         self._running = False
         self.closing = False                # SIGTERM/Ctrl-C seen: no new work
+        self.lost: Optional[ApiError] = None    # the engine's RPC server is gone: this error
         self._thread = threading.Thread(target=self._loop, name="localspec-engine", daemon=True)
         self.max_queue = max_queue
 
@@ -79,6 +82,8 @@ class Worker:
     def submit(self, job: Job) -> None:
         """Queue `job`, or answer 503 with a Retry-After estimate when the queue is full."""
         with self._lock:
+            if self.lost is not None:
+                raise self.lost
             if self.closing:
                 raise shutting_down()
             try:
@@ -104,6 +109,19 @@ class Worker:
             for job in self._pending:
                 job.shutdown = True
                 job.cancel.set()
+
+    def fail_all(self, why: str, wait_s: float = 2.0) -> None:
+        """The engine is lost (its RPC server): running and queued jobs, and any that arrive
+        now, end with a 503 that says why, sent by the event loop while this thread waits; then
+        the process may end (`serve --http --rpc` starts another)."""
+        error = ApiError(503, f"{why} The engine is restarting.", code="backend_unavailable",
+                         headers={"Retry-After": "2"})
+        with self._lock:
+            self.lost = error
+            jobs = list(self._pending)
+        for job in jobs:
+            job.emit("error", error)
+        time.sleep(wait_s if jobs else 0)
 
     def stop(self, timeout: float = 30.0) -> None:
         self.cancel_all()
@@ -392,7 +410,10 @@ def serve_http(engine: Engine, sock, settings: HttpSettings, say=print) -> None:
     shown = f"[{host}]" if ":" in host else host
     say(f"localspec: serving {service.names[0]} at http://{shown}:{bound}/v1 "
         "(OpenAI-compatible; Ctrl-C stops)")
+    if rpc_attached():                  # a lost server ends this process: answer clients first
+        rpc_on_lost(worker.fail_all)
     worker.start()
+    ready_signal()
     try:
         server.run(sockets=[sock])
     finally:

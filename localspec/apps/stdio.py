@@ -23,6 +23,10 @@ class Writer:
             data = json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         except UnicodeEncodeError:
             data = json.dumps(msg, separators=(",", ":")).encode("ascii")
+        return self.send_raw(data)
+
+    def send_raw(self, data: bytes) -> bool:
+        """One message already encoded (no newline): as send()."""
         view = memoryview(data + b"\n")
         with self._lock:
             try:

@@ -5,11 +5,14 @@ socket, and the hand-over to the server (localspec/apps/http_server.py) with a l
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
+import sys
 
 import click
 
 from ..apps.openai_api import DEFAULT_MAX_BODY, DEFAULT_QUEUE, HttpSettings
+from ..apps.supervise import LISTEN_FD, HttpSupervisor, supervised
 from ..errors import LocalspecError
 from .options import open_engine
 
@@ -90,9 +93,15 @@ def run_http(kw: dict) -> None:
                                  param_hint="'--api-key' / LOCALSPEC_API_KEY")
     settings = HttpSettings(host, port, kw["api_key"], kw["max_body"], kw["max_queue"],
                             kw["model"])
-    sock = listen(host, port)
+    inherited = os.environ.pop(LISTEN_FD, None)     # a child of HttpSupervisor: its socket
+    sock = socket.socket(fileno=int(inherited)) if inherited else listen(host, port)
     if not is_loopback(host) and not settings.api_key:
         click.echo(f"localspec: warning: serving on {host} without --api-key: anyone who can reach "
                    "this port can use the model.", err=True)
+    if kw.get("rpc") and not supervised():      # a lost RPC server must not end the server
+        with sock:
+            code = HttpSupervisor(sys.argv[1:], sock, say=lambda line: click.echo(line, err=True)
+                                  ).run()
+        raise SystemExit(code)
     with sock, open_engine(kw) as engine:
         serve_http(engine, sock, settings, say=lambda line: click.echo(line, err=True))

@@ -10,6 +10,7 @@ import click
 from ..llama import set_log_level
 from ..apps.protocol import Server
 from ..apps.stdio import Writer, read_lines, take_stdout
+from ..apps.supervise import serve_stdio_supervised, supervised
 from .http import http_options, run_http
 from .options import COMMAND, model_options, open_engine
 
@@ -52,6 +53,8 @@ def serve(stdio, no_disk_cache, **kw):
     if kw["http_bind"]:
         return run_http(kw)
     protocol_fd = take_stdout()
+    if kw.get("rpc") and not supervised():      # a lost RPC server must not end the server
+        raise SystemExit(serve_stdio_supervised(sys.argv[1:], protocol_fd, sys.stdin.fileno()))
     with open_engine(kw) as engine:
         engine.prepare()   # calibrate now, not inside the first (uncancellable) request
         Server(engine, Writer(protocol_fd)).serve(read_lines(sys.stdin.fileno()))

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import LocalspecError
 from . import backend as _b
+from . import rpc
 from .model import Model
 
 PREFILL_GRID = 64
@@ -66,6 +67,7 @@ class Context:
                               else _b.C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cp.no_perf = True
         self._ctx = _b.C.llama_init_from_model(model._model, cp)
+        rpc.secure()                              # a connection it opened: bounded from now
         if not self._ctx:
             raise LocalspecError(f"llama.cpp could not create a context of {params.n_ctx} tokens "
                                  "(out of memory?); try a smaller --ctx.")

@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import LocalspecError
 from ..files import check_gguf_magic
 from . import backend as _b
+from . import rpc
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Model:
         finally:
             captured = _b._log_state.pop("captured")
             placement = _b._log_state.pop("placement")
+            rpc.secure()                          # a connection it opened: bounded from now
         if not self._model:
             reason = next((line.split("error loading model:")[-1].strip()
                            for line in "".join(captured).splitlines()

@@ -14,11 +14,14 @@ from typing import Callable, Iterable, Optional
 
 from ..errors import LocalspecError
 from .backend import OFFLOAD_TYPES, device_handles, ggml_function
+from .rpc_watch import TIMEOUT_ENV, Watch, peers_of, timeout_s
 
 PROTOCOL_MAJOR = 7          # RPC_PROTO_MAJOR_VERSION of the pinned build: both ends must agree
 _HELLO, _CAPS = 14, 24      # RPC_CMD_HELLO and RPC_CONN_CAPS_SIZE in that source
 DEFAULT_PORT = 50052        # llama.cpp's rpc-server default
 _attached: list = []        # endpoints whose devices llama.cpp has, in order
+_watch: Optional[Watch] = None   # bounds the waits on them (rpc_watch.py), once one is attached
+_on_lost: list = []              # callbacks(message) run before a lost server ends the process
 
 
 def parse_servers(value: str) -> tuple:
@@ -88,20 +91,44 @@ _ABORT = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 @_ABORT
 def _lost_server(message: bytes) -> None:
     """ggml's abort hook, set while RPC servers are attached. ggml aborts the process when a
-    server dies or answers garbage mid-decode, with no way back into Python; what it can still
-    do is say so in one line and exit 1, instead of SIGABRT and a debugger's backtrace."""
+    server dies, answers garbage or stays silent past the timeout mid-decode, with no way back
+    into Python; what it can still do is say so in one line and exit, instead of SIGABRT and a
+    debugger's backtrace."""
     why = message.decode(errors="replace").split(": ", 1)[-1].strip()
-    servers = ", ".join(_attached)
-    sys.stderr.write(f"error: llama.cpp stopped while using RPC server {servers} ({why}); "
-                     "check that `localspec rpc-server` still runs there, then run again.\n")
+    if _watch is not None and _watch.interrupted:
+        sys.stderr.write(f"error: interrupted while llama.cpp used {_servers()} ({why}).\n")
+        sys.stderr.flush()
+        os._exit(130)
+    limit = f"{_watch.timeout:g} s, {TIMEOUT_ENV}" if _watch else "no timeout"
+    line = (f"lost {_servers()}: it closed the connection, answered garbage or stayed silent "
+            f"({limit}) ({why}); check that `localspec rpc-server` still runs there.")
+    for callback in _on_lost:
+        try:
+            callback(line)
+        except Exception:                # nothing may stop the one line and the exit
+            pass
+    sys.stderr.write(f"error: {line}\n")
     sys.stderr.flush()
     os._exit(1)
+
+
+def on_lost(callback: Callable[[str], None]) -> None:
+    """Run callback(message) on ggml's thread just before a lost server ends the process: a
+    server answers its clients there (it must return within a few seconds)."""
+    _on_lost.append(callback)
+
+
+def _servers() -> str:
+    return "RPC server " + ", ".join(_attached)
 
 
 def attach(endpoints: Iterable[str]) -> None:
     """Give llama.cpp the devices of these servers, as its own --rpc does. It is process-wide:
     every model loaded afterwards puts its offloaded layers (n_gpu_layers) on them, first. A
-    server lost later ends the process with one error line (_lost_server)."""
+    server lost or silent later ends the process with one error line (_lost_server, rpc_watch)."""
+    global _watch
+    endpoints = tuple(endpoints)
+    limit = timeout_s() if endpoints else 0.0     # a bad LOCALSPEC_RPC_TIMEOUT: before anything
     for endpoint in endpoints:
         if endpoint in _attached:
             continue
@@ -114,6 +141,17 @@ def attach(endpoints: Iterable[str]) -> None:
         ggml_function("ggml_backend_register", None, ctypes.c_void_p)(reg)
         _attached.append(endpoint)
         ggml_function("ggml_set_abort_callback", ctypes.c_void_p, _ABORT)(_lost_server)
+        if _watch is None:
+            _watch = Watch(_servers, limit)
+            _watch.start()
+        _watch.add_peers(peers_of([endpoint], split_endpoint))
+        _watch.secure()                  # the connection add_server made: bounded from now
+
+
+def secure() -> None:
+    """Bound the waits on any connection to a server that loading or a context just opened."""
+    if _watch is not None:
+        _watch.secure()
 
 
 def attached() -> tuple:
