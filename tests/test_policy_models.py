@@ -13,6 +13,7 @@ import pytest
 
 from localspec.policy import acceptance
 from localspec.policy import adaptive
+from localspec.errors import LocalspecError
 from localspec.policy import calibrate
 from localspec.policy import costmodel
 from localspec.policy.acceptance import (AcceptanceModel, DraftFeatures, RequestState,
@@ -34,7 +35,7 @@ GUESS = DraftFeatures(list(range(200, 216)), "history", 1, n_occ=9,
 
 
 def test_docstring_examples():
-    for mod in (acceptance, adaptive, costmodel):
+    for mod in (acceptance, adaptive, costmodel, calibrate):
         assert doctest.testmod(mod).failed == 0
 
 
@@ -401,3 +402,55 @@ def test_timings_of_one_k_correct_the_whole_curve_when_the_cache_is_too_flat():
         steady.observe(0, MS)
         steady.observe(2, MS * EPYC[2])
     assert steady.ratios() == pytest.approx(EPYC, rel=0.03)
+
+
+def test_a_first_run_times_batches_in_slices_that_later_runs_finish(tmp_path, monkeypatch):
+    """With a time budget, calibration is sliced: each slice times the least-timed sizes first,
+    each against its own one-token decode, and the curve is final once every k has
+    FULL_ROUNDS samples. Here a slice's rounds are cut after three sizes, as a budget would."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+
+    class Ctx:
+        class model:
+            path = tmp_path / "m.gguf"
+            repacked = True
+            placement = ""
+        n_threads = 2
+
+    Ctx.model.path.write_bytes(b"gguf")
+    asked = []
+
+    def time_batches(ctx, sizes, reps, budget_s=None):
+        asked.append(list(sizes))
+        return [[0.01 * n for n in sizes[:3]]]            # t(n rows) = n x 10 ms
+
+    monkeypatch.setattr(calibrate, "time_batches", time_batches)
+    first = calibrate.load_or_measure(Ctx, k_max=4, budget_s=60)
+    assert asked == [[1, 2, 3, 4, 5], [1, 4, 5, 2, 3], [1, 2, 3, 4, 5]]
+    assert not first.notes["complete"] and first.ratios == (1.0, 2.0, 3.0, 4.0, 5.0)
+    saved = json.loads(next((tmp_path / "calibration").glob("*.json")).read_text())
+    assert saved["complete"] is False and saved["samples"]["3"] == [4.0]
+    second = calibrate.load_or_measure(Ctx, k_max=4, budget_s=60)    # the next run: one more
+    assert second.notes["complete"] and second.ratios == first.ratios
+    asked.clear()
+    assert calibrate.load_or_measure(Ctx, k_max=4, budget_s=60).notes["complete"]
+    assert asked == []                                   # final: cached, nothing timed
+
+
+def test_a_zero_budget_answers_with_the_prior_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(calibrate, "time_batches", lambda *a, **k: pytest.fail("timed"))
+
+    class Ctx:
+        class model:
+            path = tmp_path / "m.gguf"
+            repacked = True
+            placement = ""
+        n_threads = 1
+
+    Ctx.model.path.write_bytes(b"gguf")
+    curve = calibrate.load_or_measure(Ctx, k_max=2, budget_s=0)
+    assert curve.ratios == (1.0, 1.3, 1.6) and not curve.notes["complete"]
+    monkeypatch.setenv("LOCALSPEC_CALIBRATION_S", "nan")
+    with pytest.raises(LocalspecError, match="LOCALSPEC_CALIBRATION_S"):
+        calibrate.first_run_budget()

@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict
 from typing import Optional, Sequence
 
-from .costmodel import Stability, round_stability
+from .costmodel import Stability, ratio_stability, round_stability
+from ..errors import LocalspecError
 from ..files import cache_dir
 from ..llama import Context, system_info, tiled_matmul_off
 from .draft_estimate import CostCurve
@@ -21,6 +23,26 @@ from ..llama.rpc import attached as rpc_attached
 
 CALIBRATION_VERSION = 3       # 3: per-round stability is cached (older curves had none)
 REMEASURE_NOISY = 2      # loads that re-measure a curve cached as noisy, at most
+BUDGET_ENV = "LOCALSPEC_CALIBRATION_S"
+FIRST_RUN_BUDGET_S = 3.0  # a run without a finished curve times batches this long, then answers
+FULL_ROUNDS = 3           # whole rounds, gathered over the slices of several runs, finish a curve
+MAX_ROUNDS = 8            # rounds kept in the cache file (the newest)
+UNKNOWN_SLOPE = 0.3       # r(k) = 1 + 0.3 k where no batch was timed yet: a middling CPU's
+
+
+def first_run_budget() -> float:
+    """Seconds a run may spend timing batches before it answers (LOCALSPEC_CALIBRATION_S)."""
+    raw = os.environ.get(BUDGET_ENV, "").strip()
+    if not raw:
+        return FIRST_RUN_BUDGET_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1e6:           # NaN fails too
+        raise LocalspecError(f"{BUDGET_ENV}={raw!r} is not a number of seconds >= 0 (how long "
+                             "a run may time verify batches before it answers).")
+    return value
 
 
 def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
@@ -37,11 +59,12 @@ def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
 
 
 def time_batches(ctx: Context, sizes: Sequence[int], reps: int,
-                 all_rows_upto: Optional[int] = None) -> list:
+                 all_rows_upto: Optional[int] = None, budget_s: Optional[float] = None) -> list:
     """Seconds of one decode of a batch of each size after a 32-token prefix: [reps][sizes],
     rounds over every size, so drift on a shared machine hits all sizes alike. Logits of every
-    row (a verify batch's), or of the last only past `all_rows_upto` rows (a prefill's). Leaves
-    the context empty."""
+    row (a verify batch's), or of the last only past `all_rows_upto` rows (a prefill's). With
+    `budget_s`, stops once that much time has passed (after the first two sizes at least): the
+    last round may then be shorter. Leaves the context empty."""
     ctx.clear()
     vocab = ctx.model.n_vocab
     ctx.decode([(7 * i + 3) % vocab for i in range(32)], logits="none")
@@ -50,15 +73,20 @@ def time_batches(ctx: Context, sizes: Sequence[int], reps: int,
     ctx.decode(batches[0][:1], logits="all")      # warm-up
     ctx.truncate(base)
     rounds = []
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     for _ in range(reps):
         row = []
+        rounds.append(row)
         for toks in batches:
+            if deadline is not None and len(row) >= 2 and time.perf_counter() > deadline:
+                break
             rows = "all" if all_rows_upto is None or len(toks) <= all_rows_upto else "last"
             t = time.perf_counter()
             ctx.decode(toks, logits=rows)
             row.append(time.perf_counter() - t)
             ctx.truncate(base)
-        rounds.append(row)
+        if deadline is not None and time.perf_counter() > deadline:
+            break
     ctx.clear()
     return rounds
 
@@ -79,18 +107,66 @@ def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
         ratios[k] = min(ratios[k], ratios[k + 1])
     ratios[0] = 1.0
     return CostCurve(tuple(round(r, 3) for r in ratios), ms_per_step=1000 * one,
-                     notes={"stability": round_stability(rounds)})
+                     notes={"stability": round_stability(rounds), "samples": {
+                         "t0": [r[0] for r in rounds],
+                         **{str(k): [r[k] / r[0] for r in rounds] for k in range(1, k_max + 1)}}})
+
+
+def curve_from_samples(samples: dict, k_max: int, key: str = "") -> CostCurve:
+    """The curve of r(k) samples gathered in slices, maybe over several runs: {"t0": [seconds
+    of one-token decodes], "1": [r(1) ...], ...}. Each r(k) was timed against a one-token
+    decode of its own slice, so a slice taken while the machine was busier throughout counts as
+    slower, not steeper. Per k the median; past the largest k timed, r(k) grows in proportion.
+
+    >>> curve_from_samples({"t0": [0.1, 0.2], "1": [1.5, 1.6, 1.4], "2": [2.0]}, k_max=3).ratios
+    (1.0, 1.5, 2.0, 2.5)
+    """
+    ratios = [1.0]
+    for k in range(1, k_max + 1):
+        if not samples.get(str(k)):
+            break
+        ratios.append(max(1.0, statistics.median(samples[str(k)])))
+    top = len(ratios) - 1
+    slope = (ratios[top] - 1.0) / top if top else UNKNOWN_SLOPE
+    ratios += [1.0 + slope * k for k in range(top + 1, k_max + 1)]
+    for k in range(k_max - 1, 0, -1):           # as measure(): a spike cannot make k dearer
+        ratios[k] = min(ratios[k], ratios[k + 1])
+    per_k = [samples.get(str(k), []) for k in range(1, k_max + 1)]
+    base = samples.get("t0", [])
+    return CostCurve(tuple(round(r, 3) for r in ratios), 1000 * min(base) if base else 50.0, key,
+                     {"stability": ratio_stability(per_k, base), "samples": samples,
+                      "complete": min((len(x) for x in per_k), default=len(base)) >= FULL_ROUNDS})
+
+
+def _slice(ctx: Context, samples: dict, k_max: int, deadline: float) -> dict:
+    """Time batches until `deadline` (perf_counter), the least-timed sizes first, each round
+    against its own one-token decode; returns `samples` with the new r(k) added."""
+    out = {k: list(v) for k, v in samples.items()}
+    for _ in range(FULL_ROUNDS):
+        order = sorted(range(1, k_max + 1), key=lambda k: (len(out.get(str(k), [])), k))
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        (row,) = time_batches(ctx, [1] + [k + 1 for k in order], 1, budget_s=left)
+        out.setdefault("t0", []).append(row[0])
+        for k, t in zip(order, row[1:]):
+            out.setdefault(str(k), []).append(t / row[0])
+    return {k: v[-MAX_ROUNDS:] for k, v in out.items()}
 
 
 def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
-                    progress=None, force: bool = False, attempts: int = 1) -> CostCurve:
+                    progress=None, force: bool = False, attempts: int = 1,
+                    budget_s: Optional[float] = None) -> CostCurve:
     """The cached curve for this model/device/threads, measuring it the first time (or when
     `force`: `localspec calibrate` re-measures on a quiet machine). A cached file that is not a
     curve (edited, truncated, another version) is measured again, with a note.
 
     A curve whose calibration rounds disagreed (a busy machine) is cached marked noisy and
     measured again on each of the next REMEASURE_NOISY loads, keeping the steadier one; within
-    one call, up to `attempts` measurements are taken while they come out noisy."""
+    one call, up to `attempts` measurements are taken while they come out noisy.
+
+    With `budget_s` (a run that must answer soon), a missing, unfinished or noisy curve gets
+    one slice of at most that many seconds instead (sliced())."""
     key = curve_key(ctx, n_gpu_layers, k_max)
     path = cache_dir("calibration") / f"{key}.json"    # fails early if the cache is unusable
     cached = None
@@ -98,10 +174,12 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
         cached = _read_curve(path, k_max, key)
         if cached is None and progress:
             progress(f"the cached cost curve {path} is damaged; measuring it again.")
-    if cached is not None:
+    if cached is not None and cached.notes.get("complete", True):
         st = cached.notes.get("stability")
         if st is None or not st.noisy or cached.notes.get("remeasured", 0) >= REMEASURE_NOISY:
             return cached
+    if budget_s is not None and not force:
+        return sliced(ctx, path, cached, k_max, budget_s, progress)
     if progress:
         who = f"{ctx.model.path.name} with {ctx.n_threads} thread{'s' * (ctx.n_threads != 1)}"
         progress(f"localspec: re-timing batched verification of {who}..." if force else
@@ -123,15 +201,43 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
     if cached is not None and cached.notes["stability"].spread < curve.notes["stability"].spread:
         curve = cached                               # the earlier one was steadier: keep it
     remeasured = cached.notes.get("remeasured", 0) + 1 if cached is not None else 0
+    _keep(path, ctx, curve, remeasured, progress)
+    return CostCurve(curve.ratios, curve.ms_per_step, key,
+                     {"stability": curve.notes["stability"], "remeasured": remeasured,
+                      "attempts": tries, "complete": True})
+
+
+def sliced(ctx: Context, path, cached: Optional[CostCurve], k_max: int, budget_s: float,
+           progress=None) -> CostCurve:
+    """One slice of at most `budget_s` seconds added to the samples cached so far: a first run
+    answers after it with a rough curve (which the engine refines from every step's timing),
+    and each later run adds a slice until every k has FULL_ROUNDS samples. A finished curve
+    that came out noisy gets slices too, at most REMEASURE_NOISY times."""
+    if cached is None and progress:
+        who = f"{ctx.model.path.name} with {ctx.n_threads} thread{'s' * (ctx.n_threads != 1)}"
+        progress(f"localspec: first speculative run of {who} here: timing batched verification "
+                 f"for up to {budget_s:g} s to pick draft lengths (the next runs finish it; "
+                 f"cached in {path.parent})...")
+    started = time.perf_counter()
+    before = cached.notes.get("samples", {}) if cached is not None else {}
+    curve = curve_from_samples(_slice(ctx, before, k_max, started + budget_s), k_max, path.stem)
+    if cached is None and progress:
+        progress(f"localspec: calibrated in {time.perf_counter() - started:.1f} s"
+                 f"{'' if curve.notes['complete'] else ' (a first slice)'}.")
+    was_final = cached is not None and cached.notes.get("complete", True)
+    curve.notes["remeasured"] = cached.notes.get("remeasured", 0) + 1 if was_final else 0
+    _keep(path, ctx, curve, curve.notes["remeasured"], progress)
+    return curve
+
+
+def _keep(path, ctx: Context, curve: CostCurve, remeasured: int, progress) -> None:
+    """Write the curve; a full disk or a folder in the way is a warning: use it and go on."""
     try:
         _write(path, ctx, curve, remeasured)
-    except OSError as e:            # a full disk, a folder in the way: use it, say so, go on
+    except OSError as e:
         if progress:
             progress(f"localspec: warning: could not keep the cost curve in {path} "
                      f"({e.strerror or e}); the next run measures it again.")
-    return CostCurve(curve.ratios, curve.ms_per_step, key,
-                     {"stability": curve.notes["stability"], "remeasured": remeasured,
-                      "attempts": tries})
 
 
 def _write(path, ctx: Context, curve: CostCurve, remeasured: int) -> None:
@@ -140,7 +246,9 @@ def _write(path, ctx: Context, curve: CostCurve, remeasured: int) -> None:
         tmp.write_text(json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
                                    "model": str(ctx.model.path), "threads": ctx.n_threads,
                                    "stability": asdict(curve.notes["stability"]),
-                                   "remeasured": remeasured}))
+                                   "remeasured": remeasured,
+                                   "samples": curve.notes.get("samples", {}),
+                                   "complete": curve.notes.get("complete", True)}))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -183,9 +291,17 @@ def _parse_curve(data, k_max: int, key: str):
                 and all(isinstance(r, (int, float)) and r >= 1.0 for r in ratios)
                 and isinstance(ms, (int, float)) and ms > 0):
             return None
-        notes = {"remeasured": int(data.get("remeasured", 0))}
+        notes = {"remeasured": int(data.get("remeasured", 0)),
+                 "complete": data.get("complete", True) is not False}
         if isinstance(data.get("stability"), dict):
             notes["stability"] = Stability(**data["stability"])
+        samples = data.get("samples", {})
+        if isinstance(samples, dict) and all(
+                isinstance(v, list) and all(isinstance(x, (int, float)) and x > 0 for x in v)
+                for v in samples.values()) and set(samples) <= {"t0", *map(str, range(1, k_max + 1))}:
+            notes["samples"] = samples
+        elif not notes["complete"]:
+            return None                  # an unfinished curve without its samples: start over
         return CostCurve(tuple(float(r) for r in ratios), float(ms), key, notes)
     except (ValueError, KeyError, TypeError):
         return None

@@ -211,15 +211,23 @@ def round_stability(times: Sequence[Sequence[float]]) -> Stability:
     """
     rounds = [list(r) for r in times if r and r[0] > 0]
     k_max = len(rounds[0]) - 1 if rounds else 0
+    return ratio_stability([[r[k] / r[0] for r in rounds] for k in range(1, k_max + 1)],
+                           [r[0] for r in rounds])
+
+
+def ratio_stability(per_k: Sequence[Sequence[float]], base: Sequence[float]) -> Stability:
+    """round_stability's verdict from the r(k) samples of k = 1, 2, ... (per_k[k - 1]) and the
+    one-token times (seconds), however they were gathered (rounds, or slices of several runs)."""
     spreads = []
-    for k in range(1, k_max + 1):
-        rs = sorted(r[k] / r[0] for r in rounds)
+    for samples in per_k:
+        rs = sorted(samples)
         if len(rs) >= 4:
             rs = rs[1:-1]
-        spreads.append((rs[-1] - rs[0]) / rs[0])
-    base = [r[0] for r in rounds]
+        spreads.append((rs[-1] - rs[0]) / rs[0] if rs else 0.0)
+    base = list(base)
     worst = max(range(len(spreads)), key=spreads.__getitem__) if spreads else 0
-    return Stability(len(rounds), statistics.median(spreads) if spreads else 0.0, worst + 1,
+    return Stability(max((len(x) for x in per_k), default=len(base)),
+                     statistics.median(spreads) if spreads else 0.0, worst + 1,
                      spreads[worst] if spreads else 0.0,
                      (max(base) - min(base)) / min(base) if base else 0.0,
                      1000.0 * min(base) if base else 0.0)

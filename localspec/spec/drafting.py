@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from ..llama import Context
 from ..policy.adaptive import AdaptivePolicy
-from ..policy.calibrate import load_or_measure
+from ..policy.calibrate import first_run_budget, load_or_measure
 from ..policy.config import PolicyConfig
 from ..policy.costmodel import CostConfig, CostModel
 from ..policy.draft_estimate import DraftPolicy
@@ -39,11 +39,11 @@ class Drafting:
                                   DraftPolicy(flat, config)), proposer
         if self.cost is None:
             curve = load_or_measure(ctx, self.config.n_gpu_layers, self.config.policy.k_max,
-                                    progress=self._progress)
-            st = curve.notes.get("stability")
+                                    progress=self._progress, budget_s=first_run_budget())
+            st = curve.notes.get("stability")     # a rough or unfinished curve: trust the steps
+            rough = (st is not None and st.noisy) or not curve.notes.get("complete", True)
             self.cost = CostModel(curve.ratios, curve.ms_per_step,
-                                  CostConfig(online=self.config.learn_cost),
-                                  noisy=bool(st is not None and st.noisy))
+                                  CostConfig(online=self.config.learn_cost), noisy=rough)
             self._draft_cost = proposer.draft_cost(curve, self._progress)
         rules = DraftPolicy(self.cost.prior.tolist(), config, self._draft_cost)
         proposer = fit_to_device(proposer, rules)

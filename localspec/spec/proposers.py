@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..policy.acceptance import DraftFeatures, Offer
-from ..policy.calibrate import load_or_measure
+from ..policy.calibrate import first_run_budget, load_or_measure
 from ..llama import PREFILL_GRID, Context, ContextParams, Model
 from .ngram import NGRAM_MAX, NGRAM_TIE, SOURCE_DOCUMENT, NgramIndex
 from ..policy.draft_estimate import CostCurve
@@ -175,7 +175,8 @@ class DraftProposer(Proposer):
         self._history.extend(tokens)
 
     def draft_cost(self, target: CostCurve, progress=None) -> float:
-        mine = load_or_measure(self.ctx, self.n_gpu_layers, 1, progress=progress)
+        mine = load_or_measure(self.ctx, self.n_gpu_layers, 1, progress=progress,
+                               budget_s=first_run_budget())
         return mine.ms_per_step / target.ms_per_step
 
     def without_draft_model(self) -> None:
