@@ -1,4 +1,5 @@
-"""Where localspec keeps its files, and the cheap check that a file is a GGUF model at all.
+"""Where localspec keeps its files, the cheap check that a file is a GGUF model at all, and
+the seconds settings read from the environment.
 
 Standard library only: the bottom layer, used by the llama door, calibration and the catalog alike.
 """
@@ -16,6 +17,23 @@ from typing import Optional
 from .errors import LocalspecError
 
 GGUF_MAGIC = b"GGUF"
+
+
+def env_seconds(name: str, default: float, meaning: str, zero_ok: bool = False) -> float:
+    """A number of seconds from the environment variable `name` (unset or blank: `default`);
+    anything else than a finite number (> 0, or >= 0 with zero_ok) is one error line that
+    says what the setting means."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0 <= value if zero_ok else 0 < value) or not value < 1e6:    # NaN fails too
+        raise LocalspecError(f"{name}={raw!r} is not a number of seconds "
+                             f"{'>= 0' if zero_ok else 'above 0'} ({meaning}).")
+    return value
 
 
 def localspec_home() -> Path:

@@ -129,10 +129,9 @@ def test_noisy_calibration_is_detected():
     assert "timer-bound" in costmodel.stability_line(round_stability(tiny))
 
 
-def test_noisy_cached_curve_is_measured_again_and_the_steadier_kept(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
-
-    class Ctx:            # what curve_key reads; measure() is scripted below
+def fake_ctx(tmp_path):
+    """What curve_key reads of a context; the timings are scripted by each test."""
+    class Ctx:
         class model:
             path = tmp_path / "m.gguf"
             repacked = True
@@ -140,6 +139,13 @@ def test_noisy_cached_curve_is_measured_again_and_the_steadier_kept(tmp_path, mo
         n_threads = 2
 
     Ctx.model.path.write_bytes(b"gguf")
+    return Ctx
+
+
+def test_noisy_cached_curve_is_measured_again_and_the_steadier_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+
+    Ctx = fake_ctx(tmp_path)                 # measure() is scripted below
     spreads = iter([0.30, 0.20, 0.02, 0.5, 0.4, 0.3])
     monkeypatch.setattr(calibrate, "measure", lambda ctx, k_max: CostCurve(
         (1.0, 1.5), 50.0, notes={"stability": Stability(5, next(spreads), 1, 0.3, 0.1)}))
@@ -410,14 +416,7 @@ def test_a_first_run_times_batches_in_slices_that_later_runs_finish(tmp_path, mo
     FULL_ROUNDS samples. Here a slice's rounds are cut after three sizes, as a budget would."""
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
 
-    class Ctx:
-        class model:
-            path = tmp_path / "m.gguf"
-            repacked = True
-            placement = ""
-        n_threads = 2
-
-    Ctx.model.path.write_bytes(b"gguf")
+    Ctx = fake_ctx(tmp_path)
     asked = []
 
     def time_batches(ctx, sizes, reps, budget_s=None):
@@ -441,14 +440,7 @@ def test_a_zero_budget_answers_with_the_prior_at_once(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(calibrate, "time_batches", lambda *a, **k: pytest.fail("timed"))
 
-    class Ctx:
-        class model:
-            path = tmp_path / "m.gguf"
-            repacked = True
-            placement = ""
-        n_threads = 1
-
-    Ctx.model.path.write_bytes(b"gguf")
+    Ctx = fake_ctx(tmp_path)
     curve = calibrate.load_or_measure(Ctx, k_max=2, budget_s=0)
     assert curve.ratios == (1.0, 1.3, 1.6) and not curve.notes["complete"]
     monkeypatch.setenv("LOCALSPEC_CALIBRATION_S", "nan")

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
-from ..errors import LocalspecError
+from ..files import env_seconds
 
 TIMEOUT_ENV = "LOCALSPEC_RPC_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0
@@ -31,17 +31,7 @@ _SCAN_S = 0.25              # how often new sockets of ggml's are looked for
 
 def timeout_s() -> float:
     """LOCALSPEC_RPC_TIMEOUT, checked: seconds a server may stay silent in one exchange."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < 1e6:              # NaN fails both comparisons
-        raise LocalspecError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds between 0 and "
-                             "1000000 (it bounds how long an RPC server may stay silent).")
-    return value
+    return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "how long an RPC server may stay silent")
 
 
 def peers_of(endpoints: Iterable[str], split: Callable[[str], tuple]) -> set:

@@ -15,8 +15,7 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 from .costmodel import Stability, ratio_stability, round_stability
-from ..errors import LocalspecError
-from ..files import cache_dir
+from ..files import cache_dir, env_seconds
 from ..llama import Context, system_info, tiled_matmul_off
 from .draft_estimate import CostCurve
 from ..llama.rpc import attached as rpc_attached
@@ -32,17 +31,8 @@ UNKNOWN_SLOPE = 0.3       # r(k) = 1 + 0.3 k where no batch was timed yet: a mid
 
 def first_run_budget() -> float:
     """Seconds a run may spend timing batches before it answers (LOCALSPEC_CALIBRATION_S)."""
-    raw = os.environ.get(BUDGET_ENV, "").strip()
-    if not raw:
-        return FIRST_RUN_BUDGET_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1e6:           # NaN fails too
-        raise LocalspecError(f"{BUDGET_ENV}={raw!r} is not a number of seconds >= 0 (how long "
-                             "a run may time verify batches before it answers).")
-    return value
+    return env_seconds(BUDGET_ENV, FIRST_RUN_BUDGET_S, "how long a run may time verify batches "
+                       "before it answers", zero_ok=True)
 
 
 def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
