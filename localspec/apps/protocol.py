@@ -17,18 +17,20 @@ from typing import Iterable, Optional, Union
 
 from .. import __version__
 from ..spec.engine import Engine, Prompt
+from ..spec.fim import FimRequest, infill
 from ..errors import LocalspecError
 from ..files import internal_error_line
 from ..spec.sampling import SamplingParams
 from ..spec.stats import GenerationStats
 from .checks import Checks, model_info, no_constants, speculation_info
+from .completion import COMPLETE_PARAMS, parse_complete
 
 PROTOCOL_VERSION = 1
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR, GENERATION_ERROR = -32602, -32603, -32000
 PROGRESS = "generate/progress"     # notification method carrying streamed text
 DEFAULT_MAX_TOKENS = 256
-METHODS = ("initialize", "generate", "cancel", "shutdown")
+METHODS = ("initialize", "generate", "complete", "cancel", "shutdown")
 GENERATE_PARAMS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                    "repeat_penalty", "seed", "stop", "document", "speculate", "stream", "k")
 NOTE = object()                    # the "id" of a notification: it never gets a response
@@ -70,6 +72,7 @@ class Job:
     speculate: bool
     stream: bool
     fixed_k: Optional[int] = None        # draft exactly k tokens per step (None: adaptive)
+    fim: Optional[FimRequest] = None     # a `complete` (prompt unused): fill in the middle
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -117,6 +120,21 @@ def parse_generate(rid: RequestId, params) -> Job:
                stop=stop, document=None if document is None else CHECK.text(document, "document"),
                speculate=CHECK.flag(params, "speculate", True),
                stream=CHECK.flag(params, "stream", True), fixed_k=CHECK.draft_length(params, "k"))
+
+
+def parse_complete_job(rid: RequestId, params) -> Job:
+    """Validate `complete` params into a Job (docs/protocol.md, "complete")."""
+    if not isinstance(params, dict):
+        raise RpcError(INVALID_PARAMS, "complete takes params as an object")
+    unknown = sorted(set(params) - set(COMPLETE_PARAMS))
+    if unknown:
+        raise RpcError(INVALID_PARAMS, f"unknown parameter '{unknown[0]}' (complete accepts: "
+                                       f"{', '.join(COMPLETE_PARAMS)})")
+    fim = parse_complete(CHECK, params)
+    return Job(rid, "", CHECK.sampling(params), fim.max_tokens, [], None,
+               speculate=CHECK.flag(params, "speculate", True),
+               stream=CHECK.flag(params, "stream", True), fixed_k=CHECK.draft_length(params, "k"),
+               fim=fim)
 
 
 def parse_envelope(line: bytes):
@@ -193,6 +211,7 @@ class Server:
         if rid is NOTE and method not in ("cancel", "shutdown"):
             return True                     # other notifications are accepted and ignored
         handler = {"initialize": self._initialize, "generate": self._generate,
+                   "complete": self._complete,
                    "cancel": self._cancel, "shutdown": self._stop_request}.get(method)
         try:
             if handler is None:
@@ -212,8 +231,8 @@ class Server:
     def _initialize(self, rid, params) -> dict:
         return self._info
 
-    def _generate(self, rid, params):
-        job = parse_generate(rid, params)
+    def _generate(self, rid, params, job: Optional[Job] = None):
+        job = job or parse_generate(rid, params)
         with self._lock:
             if self._closing:
                 raise RpcError(GENERATION_ERROR, "the server is shutting down")
@@ -223,6 +242,15 @@ class Server:
             self._jobs[rid] = job
         self._queue.put(job)
         return DEFERRED
+
+    def _complete(self, rid, params):
+        """A completion replaces any earlier one still queued or running (the cursor moved)."""
+        job = parse_complete_job(rid, params)
+        with self._lock:
+            for other in self._jobs.values():
+                if other.fim is not None:
+                    other.cancel.set()
+        return self._generate(rid, params, job)
 
     def _cancel(self, rid, params) -> dict:
         target = params.get("id") if isinstance(params, dict) else None
@@ -253,12 +281,17 @@ class Server:
     def _run(self, job: Job) -> None:
         if job.cancel.is_set():             # cancelled while queued: never started
             return self._finish(job, result("", GenerationStats(stop_reason="cancelled")))
+        policy = None if job.fixed_k is None else \
+            replace(self.engine.config.policy, fixed_k=job.fixed_k)
         try:
-            gen = self.engine.generate(job.prompt, job.sampling, max_tokens=job.max_tokens,
-                                       stop=job.stop, document=job.document,
-                                       speculate=job.speculate, cancel=job.cancel,
-                                       policy=None if job.fixed_k is None else
-                                       replace(self.engine.config.policy, fixed_k=job.fixed_k))
+            if job.fim is not None:
+                gen = infill(self.engine, job.fim, job.sampling, job.speculate, job.cancel,
+                             policy)
+            else:
+                gen = self.engine.generate(job.prompt, job.sampling, max_tokens=job.max_tokens,
+                                           stop=job.stop, document=job.document,
+                                           speculate=job.speculate, cancel=job.cancel,
+                                           policy=policy)
             for piece in gen:
                 if job.stream:
                     self._send({"jsonrpc": "2.0", "method": PROGRESS,
@@ -267,6 +300,10 @@ class Server:
             return self._finish(job, error=(GENERATION_ERROR, str(e)))
         except Exception as e:              # a bug: say so on stderr, keep serving
             return self._finish(job, error=(INTERNAL_ERROR, _bug(e)))
+        if job.fim is not None:
+            return self._finish(job, {**result(gen.text, gen.stats),
+                                      "finish_reason": gen.finish_reason,
+                                      "truncated": gen.truncated, "note": gen.note})
         self._finish(job, result(gen.text, gen.stats))
 
     def _finish(self, job: Job, result=None, error=None) -> None:
@@ -300,6 +337,7 @@ def describe(engine: Engine) -> dict:
         "server": {"name": "localspec", "version": __version__},
         "model": model_info(engine),
         "capabilities": {"streaming": True, "cancel": True, "document": True,
+                         "complete": engine.model.fim_tokens() is not None,
                          "messages": engine.model.chat_template() is not None,
                          **speculation_info(engine)},
         "defaults": {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": d.temperature,
