@@ -105,3 +105,38 @@ def test_default_model_renames_and_keeps_the_file_shape(tmp_path):
     g.write_text("a = 1\nb = 2\nc = 3")                 # no trailing newline: none added
     r = run_edit("--region", "2:2", "change the value to 5", str(g))
     assert r.returncode == 0 and r.stdout.decode() == "a = 1\nb = 5\nc = 3", r.stdout
+
+
+# -- the protocol's `rewrite`, as the editor plugins call it ---------------------------------------
+def test_rewrite_over_stdio_errors_are_readable_and_the_server_goes_on(smollm_path, tmp_path):
+    from test_serve import Server
+
+    srv = Server(smollm_path, tmp_path)
+    try:
+        err = srv.call("rewrite", {"text": SOURCE, "instruction": "  "})["error"]
+        assert err["code"] == -32000 and "instruction is empty" in err["message"]
+        err = srv.call("rewrite", {"text": SOURCE, "instruction": "x", "region": [2, 1]})["error"]
+        assert err["code"] == -32602 and "'region'" in err["message"]
+        err = srv.call("rewrite", {"text": "a\n\nb\n", "instruction": "x", "region": [2, 2]})
+        assert "nothing to edit" in err["error"]["message"]
+        msg, notes = srv.response(srv.send("rewrite", {"text": SOURCE, "max_tokens": 4,
+                                                        "instruction": "rename foo to add"}))
+        assert "cut off at 4 tokens" in msg["error"]["message"] and len(notes) >= 1
+    finally:
+        assert srv.close() == 0
+
+
+@pytest.mark.skipif(not os.environ.get("LOCALSPEC_TEST_QWEN"),
+                    reason="the default model (1 GB) runs when LOCALSPEC_TEST_QWEN=1")
+def test_default_model_rewrites_a_region_over_stdio(tmp_path):
+    from test_serve import Server
+
+    srv = Server("default", tmp_path)
+    try:
+        msg, notes = srv.response(srv.send("rewrite", {
+            "text": SOURCE, "instruction": "rename foo to add_numbers", "region": [5, 5],
+            "filename": "calc.py"}), timeout=600)
+        assert msg["result"]["text"] == "print(add_numbers(1, 2))\n", msg
+        assert "".join(n["params"]["text"] for n in notes).strip() == "print(add_numbers(1, 2))"
+    finally:
+        assert srv.close() == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..spec.fim import FimRequest
+from .edit import Region
 from .checks import Checks
 
 DEFAULT_MAX_TOKENS = 64
@@ -16,6 +17,8 @@ DEFAULT_MAX_TOKENS = 64
 COMPLETE_PARAMS = ("prefix", "suffix", "extra", "filename", "max_tokens", "max_lines",
                    "time_budget_ms", "min_indent", "prefix_lines", "suffix_lines", "temperature",
                    "top_k", "top_p", "min_p", "repeat_penalty", "seed", "speculate", "stream", "k")
+REWRITE_PARAMS = ("text", "instruction", "region", "filename", "max_tokens", "temperature",
+                  "top_k", "top_p", "min_p", "repeat_penalty", "seed", "speculate", "stream", "k")
 # llama.cpp server's /infill fields that localspec honours, and those it accepts and ignores
 # (they tune llama.cpp's own slots and samplers; see docs/http.md).
 INFILL_FIELDS = ("input_prefix", "input_suffix", "input_extra", "prompt", "n_predict",
@@ -73,6 +76,27 @@ def parse_complete(check: Checks, params: dict) -> FimRequest:
         min_indent=check.number(params, "min_indent", None, 0, integer=True),
         prefix_lines=_lines(check, params, "prefix_lines", FimRequest.prefix_lines),
         suffix_lines=_lines(check, params, "suffix_lines", FimRequest.suffix_lines))
+
+
+def parse_rewrite(check: Checks, params: dict) -> dict:
+    """The protocol's `rewrite` params: the buffer `text`, the `instruction`, an optional
+    `region` [START, END] of 1-based lines, and `filename` (its extension names the language)."""
+    for name in ("text", "instruction"):
+        if name not in params:
+            raise check.fail(name, f"'{name}' is required")
+    region = params.get("region")
+    if region is not None:
+        if not (isinstance(region, list) and len(region) == 2 and
+                all(isinstance(n, int) and not isinstance(n, bool) for n in region)
+                and 1 <= region[0] <= region[1]):
+            raise check.fail("region", "'region' must be [START, END], 1-based line numbers "
+                                       "with START <= END")
+        region = Region(*region)
+    name = params.get("filename")
+    return {"text": buffer_text(check, params["text"], "text"),
+            "instruction": check.text(params["instruction"], "instruction"), "region": region,
+            "filename": check.text(name, "filename") if name else "text",
+            "max_tokens": check.number(params, "max_tokens", None, 1, integer=True)}
 
 
 def parse_infill(check: Checks, body: dict, n_ctx: int) -> FimRequest:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional, Sequence
 
 from ..errors import LocalspecError
+from ..spec.sampling import SamplingParams
 from ..spec.stats import GenerationStats
 
 SYSTEM = ("You are a careful code and text editor. Apply the user's instruction to the text "
@@ -111,9 +112,8 @@ def keep_newlines(original: str, rewritten: str) -> str:
     return rewritten.rstrip("\n") + "\n" * tail
 
 
-def finish(text: str, before: str, part: str, after: str, reply: str, opened: bool,
-           stats: GenerationStats, max_tokens: int) -> str:
-    """The edited text, or a one-line error when the reply cannot be a whole rewrite."""
+def finish(part: str, reply: str, opened: bool, stats: GenerationStats, max_tokens: int) -> str:
+    """The rewritten part, or a one-line error when the reply cannot be a whole rewrite."""
     if stats.stop_reason in ("length", "context"):
         what = f"-n {max_tokens}" if stats.stop_reason == "length" else "the context (--ctx)"
         raise LocalspecError(f"the rewrite was cut off at {stats.generated_tokens} tokens by "
@@ -124,4 +124,45 @@ def finish(text: str, before: str, part: str, after: str, reply: str, opened: bo
     body = strip_reply(reply, opened)
     if not body.strip():
         raise LocalspecError("the model replied with no text; nothing was written.")
-    return before + keep_newlines(part, body) + after
+    return keep_newlines(part, body)
+
+
+class Rewrite:
+    """One rewrite running on an engine: iterate for the reply's pieces as they stream (clean
+    unless the text has fences of its own); then result() is the rewritten part or a one-line
+    LocalspecError. `before` + result() + `after` is the whole edited text."""
+
+    def __init__(self, engine, instruction: str, text: str, region: Optional[Region] = None,
+                 name: str = "text", sampling: SamplingParams = SamplingParams(),
+                 max_tokens: Optional[int] = None, speculate: bool = True, cancel=None,
+                 policy=None, stop: Sequence[str] = ()):
+        self.before, self.part, self.after = split_region(text, region)
+        instruction = check_edit(instruction, text, self.part)
+        model = engine.model
+        if model.chat_template() is None:
+            raise LocalspecError(f"{model.path.name} has no chat template, so it cannot follow "
+                                 "an instruction; use an instruct model (e.g. -m default).")
+        self.opening = fence_opening(text, name)
+        rendered = model.apply_chat_template(
+            build_messages(instruction, text, self.part, region, name)) + self.opening
+        tokens = model.tokenize(rendered, add_special=True, parse_special=True)
+        if max_tokens is None:          # room for the part twice over, as the context allows
+            n_part = len(model.tokenize(self.part, add_special=False))
+            max_tokens = max(64, min(2 * n_part + 64, engine.ctx.n_ctx - len(tokens) - 1))
+        self.max_tokens = max_tokens
+        self.gen = engine.generate(tokens, sampling, max_tokens=max_tokens,
+                                   stop=list(stop) + (["\n```"] if self.opening else []),
+                                   document=text, speculate=speculate, cancel=cancel,
+                                   policy=policy)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.gen)
+
+    def result(self) -> str:
+        self.gen.complete()
+        return finish(self.part, self.gen.text, bool(self.opening), self.gen.stats,
+                      self.max_tokens)
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.gen.stats

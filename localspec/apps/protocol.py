@@ -13,24 +13,25 @@ import queue
 import sys
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from .. import __version__
 from ..spec.engine import Engine, Prompt
-from ..spec.fim import FimRequest, infill
+from ..spec.fim import infill
 from ..errors import LocalspecError
 from ..files import internal_error_line
 from ..spec.sampling import SamplingParams
 from ..spec.stats import GenerationStats
 from .checks import Checks, model_info, no_constants, speculation_info
-from .completion import COMPLETE_PARAMS, parse_complete
+from .completion import COMPLETE_PARAMS, REWRITE_PARAMS, parse_complete, parse_rewrite
+from .edit import Rewrite
 
 PROTOCOL_VERSION = 1
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR, GENERATION_ERROR = -32602, -32603, -32000
 PROGRESS = "generate/progress"     # notification method carrying streamed text
 DEFAULT_MAX_TOKENS = 256
-METHODS = ("initialize", "generate", "complete", "cancel", "shutdown")
+METHODS = ("initialize", "generate", "complete", "rewrite", "cancel", "shutdown")
 GENERATE_PARAMS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                    "repeat_penalty", "seed", "stop", "document", "speculate", "stream", "k")
 NOTE = object()                    # the "id" of a notification: it never gets a response
@@ -72,7 +73,8 @@ class Job:
     speculate: bool
     stream: bool
     fixed_k: Optional[int] = None        # draft exactly k tokens per step (None: adaptive)
-    fim: Optional[FimRequest] = None     # a `complete` (prompt unused): fill in the middle
+    kind: str = "generate"               # or "complete", "rewrite": then `task` runs it
+    task: Optional[Callable] = None      # (engine, job, policy) -> the running task
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -122,19 +124,38 @@ def parse_generate(rid: RequestId, params) -> Job:
                stream=CHECK.flag(params, "stream", True), fixed_k=CHECK.draft_length(params, "k"))
 
 
-def parse_complete_job(rid: RequestId, params) -> Job:
-    """Validate `complete` params into a Job (docs/protocol.md, "complete")."""
+def parse_task(rid: RequestId, method: str, params) -> Job:
+    """Validate `complete` or `rewrite` params into a Job (docs/protocol.md)."""
     if not isinstance(params, dict):
-        raise RpcError(INVALID_PARAMS, "complete takes params as an object")
-    unknown = sorted(set(params) - set(COMPLETE_PARAMS))
+        raise RpcError(INVALID_PARAMS, f"{method} takes params as an object")
+    allowed = COMPLETE_PARAMS if method == "complete" else REWRITE_PARAMS
+    unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise RpcError(INVALID_PARAMS, f"unknown parameter '{unknown[0]}' (complete accepts: "
-                                       f"{', '.join(COMPLETE_PARAMS)})")
-    fim = parse_complete(CHECK, params)
-    return Job(rid, "", CHECK.sampling(params), fim.max_tokens, [], None,
-               speculate=CHECK.flag(params, "speculate", True),
+        raise RpcError(INVALID_PARAMS, f"unknown parameter '{unknown[0]}' ({method} accepts: "
+                                       f"{', '.join(allowed)})")
+    sampling = CHECK.sampling(params)
+    if method == "complete":
+        fim = parse_complete(CHECK, params)
+        task = lambda engine, job, policy: infill(  # noqa: E731
+            engine, fim, sampling, job.speculate, job.cancel, policy)
+    else:
+        rw = parse_rewrite(CHECK, params)
+        task = lambda engine, job, policy: Rewrite(  # noqa: E731
+            engine, rw["instruction"], rw["text"], rw["region"], rw["filename"], sampling,
+            rw["max_tokens"], job.speculate, job.cancel, policy)
+    return Job(rid, "", sampling, 0, [], None, speculate=CHECK.flag(params, "speculate", True),
                stream=CHECK.flag(params, "stream", True), fixed_k=CHECK.draft_length(params, "k"),
-               fim=fim)
+               kind=method, task=task)
+
+
+def answer(job: Job, gen) -> dict:
+    """The response of a finished job: the text and statistics, and what its kind adds."""
+    if job.kind == "complete":
+        return {**result(gen.text, gen.stats), "finish_reason": gen.finish_reason,
+                "truncated": gen.truncated, "note": gen.note}
+    if job.kind == "rewrite":           # the cleaned rewrite, or a LocalspecError
+        return result(gen.result(), gen.stats)
+    return result(gen.text, gen.stats)
 
 
 def parse_envelope(line: bytes):
@@ -211,13 +232,14 @@ class Server:
         if rid is NOTE and method not in ("cancel", "shutdown"):
             return True                     # other notifications are accepted and ignored
         handler = {"initialize": self._initialize, "generate": self._generate,
-                   "complete": self._complete,
+                   "complete": self._task, "rewrite": self._task,
                    "cancel": self._cancel, "shutdown": self._stop_request}.get(method)
         try:
             if handler is None:
                 raise RpcError(METHOD_NOT_FOUND, f"unknown method '{method}' (this server has: "
                                                  f"{', '.join(METHODS)})")
-            result = handler(rid, params)
+            result = handler(rid, params, method) if handler == self._task else \
+                handler(rid, params)
         except Exception as e:
             if not isinstance(e, RpcError):     # a bug: say so on stderr, keep serving
                 e = RpcError(INTERNAL_ERROR, _bug(e))
@@ -243,13 +265,14 @@ class Server:
         self._queue.put(job)
         return DEFERRED
 
-    def _complete(self, rid, params):
+    def _task(self, rid, params, method: str):
         """A completion replaces any earlier one still queued or running (the cursor moved)."""
-        job = parse_complete_job(rid, params)
-        with self._lock:
-            for other in self._jobs.values():
-                if other.fim is not None:
-                    other.cancel.set()
+        job = parse_task(rid, method, params)
+        if method == "complete":
+            with self._lock:
+                for other in self._jobs.values():
+                    if other.kind == "complete":
+                        other.cancel.set()
         return self._generate(rid, params, job)
 
     def _cancel(self, rid, params) -> dict:
@@ -284,9 +307,8 @@ class Server:
         policy = None if job.fixed_k is None else \
             replace(self.engine.config.policy, fixed_k=job.fixed_k)
         try:
-            if job.fim is not None:
-                gen = infill(self.engine, job.fim, job.sampling, job.speculate, job.cancel,
-                             policy)
+            if job.task is not None:
+                gen = job.task(self.engine, job, policy)
             else:
                 gen = self.engine.generate(job.prompt, job.sampling, max_tokens=job.max_tokens,
                                            stop=job.stop, document=job.document,
@@ -296,15 +318,12 @@ class Server:
                 if job.stream:
                     self._send({"jsonrpc": "2.0", "method": PROGRESS,
                                 "params": {"id": job.id, "text": piece}})
+            done = answer(job, gen)
         except LocalspecError as e:
             return self._finish(job, error=(GENERATION_ERROR, str(e)))
         except Exception as e:              # a bug: say so on stderr, keep serving
             return self._finish(job, error=(INTERNAL_ERROR, _bug(e)))
-        if job.fim is not None:
-            return self._finish(job, {**result(gen.text, gen.stats),
-                                      "finish_reason": gen.finish_reason,
-                                      "truncated": gen.truncated, "note": gen.note})
-        self._finish(job, result(gen.text, gen.stats))
+        self._finish(job, done)
 
     def _finish(self, job: Job, result=None, error=None) -> None:
         with self._lock:                    # from here on, cancel answers {"cancelled": false}

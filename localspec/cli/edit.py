@@ -8,9 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..apps.edit import (build_messages, check_edit, fence_opening, finish, parse_region,
-                         split_region)
-from ..errors import LocalspecError
+from ..apps.edit import Rewrite, check_edit, parse_region, split_region
 from ..text import decode_utf8, read_text_file
 from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options, text_arg
 
@@ -57,23 +55,10 @@ def edit(instruction, file, region, stats, **kw):
     max_tokens = None if ctx.get_parameter_source("max_tokens") == \
         click.core.ParameterSource.DEFAULT else kw["max_tokens"]
     with open_engine(kw) as engine:
-        if engine.model.chat_template() is None:
-            raise LocalspecError(f"{engine.model.path.name} has no chat template, so it cannot "
-                                 "follow an instruction; use an instruct model (e.g. -m default).")
-        opening = fence_opening(text, name)
-        rendered = engine.model.apply_chat_template(
-            build_messages(instruction, text, part, region, name)) + opening
-        tokens = engine.model.tokenize(rendered, add_special=True, parse_special=True)
-        if max_tokens is None:
-            n_part = len(engine.model.tokenize(part, add_special=False))
-            max_tokens = max(64, min(2 * n_part + 64, engine.ctx.n_ctx - len(tokens) - 1))
-            # (-n not given: room for the part twice over, as the context allows)
-        stop = ["\n```"] if opening else []
-        gen = engine.generate(tokens, build_sampling(kw), max_tokens=max_tokens,
-                              stop=list(kw["stop"]) + stop, document=text)
-        reply = gen.complete()
-        out = finish(text, before, part, after, reply, bool(opening), gen.stats, max_tokens)
+        rewrite = Rewrite(engine, instruction, text, region, name, build_sampling(kw),
+                          max_tokens, stop=kw["stop"])
+        out = before + rewrite.result() + after
     if stats:
-        click.echo(gen.stats.summary(), err=True)
+        click.echo(rewrite.stats.summary(), err=True)
     sys.stdout.write(out)
     sys.stdout.flush()
