@@ -82,12 +82,13 @@ local function on_stderr(_, data)
 end
 
 local function on_exit(_, code)
-  S.job, S.buf = nil, ""
+  local stopped = S.stopping
+  S.job, S.buf, S.stopping = nil, "", false
   for id, p in pairs(S.pending) do
     S.pending[id] = nil
     if p.on_error then p.on_error("the server stopped") end
   end
-  if code ~= 0 then
+  if code ~= 0 and not stopped then
     local last = S.stderr[#S.stderr] or ("exit status " .. code)
     notify("the server stopped: " .. last .. " (it restarts on the next command)",
            vim.log.levels.ERROR)
@@ -138,7 +139,10 @@ function M.cancel_request(id)
 end
 
 function M.stop()
-  if S.job then fn.jobstop(S.job) end
+  if S.job then
+    S.stopping = true
+    fn.jobstop(S.job)
+  end
 end
 
 -- -- ghost text ------------------------------------------------------------------------------
