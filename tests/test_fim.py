@@ -53,6 +53,13 @@ def test_typing_on_a_line_changes_only_the_end_of_the_prompt(fim_model):
     assert b.tokens[:len(a.tokens)] == a.tokens and len(b.tokens) > len(a.tokens)
 
 
+def test_a_cursor_after_indentation_leaves_the_blanks_out_of_the_prompt(fim_model):
+    p = build_prompt(fim_model, FimRequest(prefix="def f(x):\n    ", suffix="\n"), 4096)
+    assert p.indent == "    " and p.tokens[-1] == FIM["mid"]
+    q = build_prompt(fim_model, FimRequest(prefix="def f(x):\n    y", suffix="\n"), 4096)
+    assert q.indent == "" and q.tokens[-1] != FIM["mid"]
+
+
 def test_a_buffer_larger_than_the_context_is_cut_around_the_cursor(fim_model):
     req = FimRequest(prefix=BUFFER, suffix=BUFFER, max_tokens=64, prefix_lines=0,
                      suffix_lines=0)

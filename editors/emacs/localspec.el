@@ -53,6 +53,7 @@
 (defvar localspec--timer nil)
 (defvar localspec-last-stats nil "Statistics of the last finished request.")
 (defvar localspec-last-result nil "The text of the last finished rewrite.")
+(defvar-local localspec--noted nil "This buffer's cut to the context was reported.")
 
 (defun localspec--message (fmt &rest args)
   (message "localspec: %s" (apply #'format fmt args)))
@@ -217,6 +218,10 @@ HANDLERS are :progress, :done and :error functions."
              ,@(and (> indent 0) `((min_indent . ,indent))))
            :done (lambda (r)
                    (setq localspec-last-stats (alist-get 'stats r))
+                   (when (and (alist-get 'truncated r) (buffer-live-p buf)
+                              (not (buffer-local-value 'localspec--noted buf)))
+                     (with-current-buffer buf (setq localspec--noted t))
+                     (localspec--message "%s" (alist-get 'note r)))
                    (when (and (buffer-live-p buf) (eq (current-buffer) buf) (= (point) pt)
                               (= (buffer-chars-modified-tick) tick))
                      (localspec--show (alist-get 'text r))))

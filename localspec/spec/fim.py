@@ -54,6 +54,7 @@ class FimPrompt:
     document: str                    # text the prompt had to leave out: still worth copying
     truncated: bool
     note: str = ""
+    indent: str = ""                 # the cursor line's blanks, left out of the prompt (below)
 
 
 def fim_tokens(model) -> dict:
@@ -100,7 +101,11 @@ def build_prompt(model, req: FimRequest, n_ctx: int) -> FimPrompt:
     head, line = req.prefix[:nl + 1], req.prefix[nl + 1:]
     head, cut_pre = _lines_tail(head, req.prefix_lines + 1 if req.prefix_lines > 0 else 0)
     suffix, cut_suf = _lines_head(req.suffix, req.suffix_lines)
-    pre, suf, mid = tok(head), tok(suffix), tok(line)
+    # A cursor after indentation alone: a prompt ending in blanks splits the tokens the model
+    # knows ("    return" is not "    " + "return"), and Qwen2.5-Coder then ends the middle at
+    # once. The blanks stay out of the prompt and are taken off the front of the completion.
+    indent = line if line and not line.strip() else ""
+    pre, suf, mid = tok(head), tok(suffix), tok(line[len(indent):])
     extra: list = []
     if "rep" in fim:
         extra += [fim["rep"]] + tok("project\n")
@@ -131,7 +136,8 @@ def build_prompt(model, req: FimRequest, n_ctx: int) -> FimPrompt:
         [fim["suf"]] + suf[:n_suf] + [fim["mid"]] + mid
     left_out = cut_pre + model.detokenize(pre[:len(pre) - n_pre]) + "\n" + \
         model.detokenize(suf[n_suf:]) + cut_suf
-    return FimPrompt(tokens, left_out if left_out.strip() else "", truncated, "; ".join(notes))
+    return FimPrompt(tokens, left_out if left_out.strip() else "", truncated, "; ".join(notes),
+                     indent)
 
 
 def _whole_lines(model, toks: list, n: int, tail: bool) -> int:
@@ -212,8 +218,16 @@ class Infill:
 
     def __iter__(self) -> Iterator[str]:
         limit = self.request.time_ms / 1000 if self.request.time_ms > 0 else None
+        indent, head = self.prompt.indent, ""
         try:
             for piece in self._gen:
+                if indent:                     # take the cursor's blanks off the front
+                    head += piece
+                    if len(head) < len(indent) and indent.startswith(head):
+                        continue
+                    n = next((i for i, (a, b) in enumerate(zip(head, indent)) if a != b),
+                             min(len(head), len(indent)))
+                    piece, indent = head[n:], ""
                 over = limit is not None and time.perf_counter() - self.started > limit
                 out = self._rules.feed(piece, over)
                 if out:

@@ -43,6 +43,12 @@ local function run(steps)
 end
 
 local function always() return true end
+local function said(text)      -- notify() runs scheduled: wait for the message itself
+  return function()
+    for _, m in ipairs(messages) do if m.msg:find(text, 1, true) then return true end end
+    return false
+  end
+end
 local ls, S
 
 local scenarios = {}
@@ -72,7 +78,7 @@ function scenarios.rewrite()
   vim.cmd("2LocalspecRewrite make it longer")
   out.started = S.rewrite ~= nil
   run({
-    { "the rewrite ends", function() return S.rewrite == nil end, function()
+    { "the rewrite ends", said("rewrote"), function()
       out.lines = lines()
       out.result = S.last_result
       vim.cmd("silent! undo")
@@ -89,7 +95,7 @@ function scenarios.cancel()
       out.during = lines()
       vim.cmd("LocalspecCancel")
     end },
-    { "the rewrite ends", function() return S.rewrite == nil end, function()
+    { "the rewrite ends", said("rewrite cancelled"), function()
       out.lines = lines()
     end },
   })
@@ -100,7 +106,7 @@ function scenarios.missing()
   out.complete_ok = pcall(ls.complete)
   out.rewrite_ok = pcall(vim.cmd, "LocalspecRewrite anything")
   out.lines = lines()
-  run({ { "messages shown", always, always } })
+  run({ { "messages shown", said("was not found"), always } })
 end
 
 local ok, err = pcall(function()

@@ -30,7 +30,7 @@ local ns = api.nvim_create_namespace("localspec")
 local S = {
   job = nil, buf = "", next_id = 0, pending = {}, stderr = {},
   ghost = nil,        -- { buf, row, col, lines }
-  fim_id = nil, timer = nil, rewrite = nil, ring = {}, last_stats = nil,
+  fim_id = nil, timer = nil, rewrite = nil, ring = {}, last_stats = nil, noted = {},
 }
 
 local function notify(msg, level)
@@ -203,6 +203,10 @@ function M.complete()
   }, {
     on_done = function(r)
       S.last_stats = r.stats
+      if r.truncated and not S.noted[buf] then   -- once per buffer: it holds while typing
+        S.noted[buf] = true
+        notify(r.note)
+      end
       local p = api.nvim_win_get_cursor(0)
       if api.nvim_get_current_buf() == buf and api.nvim_buf_get_changedtick(buf) == tick
           and p[1] - 1 == row and p[2] == col and fn.mode():sub(1, 1) == "i" then
