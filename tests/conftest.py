@@ -61,6 +61,12 @@ def tiny_path(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_fim_path(tiny_dir):
+    """The tiny model with fill-in-the-middle tokens in its vocabulary (265 tokens)."""
+    return make_tiny_gguf(tiny_dir / "tiny-fim.gguf", seed=0, logit_scale=3.0, fim=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_path):
     from localspec.llama import Model
 

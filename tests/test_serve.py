@@ -215,7 +215,7 @@ def test_bad_params_are_invalid_params_naming_the_field(server, params, field):
 
 
 def test_unknown_method_and_bad_cancel(server):
-    assert server.call("complete", {"prompt": "x"})["error"]["code"] == -32601
+    assert server.call("frobnicate", {"prompt": "x"})["error"]["code"] == -32601
     assert server.call("cancel", {"id": None})["error"]["code"] == -32602
     assert server.call("cancel", {"id": 424242})["result"] == {"cancelled": False}
 

@@ -40,6 +40,11 @@ PROJ_STD = 1.0        # v/o and ffn_down, divided by sqrt(fan_in): blocks matter
 OUTPUT_STD = 1.0      # output projection, divided by sqrt(n_embd): logits have std ~1 per unit scale
 
 
+# fim=True: (llama.cpp's name, token text), appended after the vocabulary in this order.
+FIM_TOKENS = (("pre", "<fim_prefix>"), ("suf", "<fim_suffix>"), ("mid", "<fim_middle>"),
+              ("pad", "<fim_pad>"), ("rep", "<repo_name>"), ("sep", "<file_sep>"))
+
+
 def _vocab(vocab: str) -> tuple[list[str], list[float], list[int]]:
     """Token texts, scores and types for the `llama` (SentencePiece) tokenizer model."""
     tokens = ["<unk>", "<s>", "</s>"]
@@ -90,6 +95,7 @@ def make_tiny_gguf(
     logit_scale: float = 1.0,
     noise: float = 0.0,
     noise_seed: int = 1,
+    fim: bool = False,
 ) -> pathlib.Path:
     """Write a random-weight llama GGUF to `path` and return it as a Path.
 
@@ -104,17 +110,28 @@ def make_tiny_gguf(
     Tokenizer: SentencePiece with byte fallback and no prefix space, so "hi" is [1, 3+ord("h"),
     3+ord("i")]; a space is escaped to U+2581 (three byte tokens) and decodes back as "\u2581".
 
+    fim=True appends six control tokens (FIM_TOKENS) and names them as the GGUF's
+    fill-in-the-middle tokens, as a coder model's file does: llama.cpp then reports them.
+
     Example: make_tiny_gguf(tmp_path / "target.gguf", seed=1, logit_scale=5.0)
     """
     if n_embd % n_head:
         raise ValueError("n_embd must be a multiple of n_head")
     path = pathlib.Path(path)
     tokens, scores, types = _vocab(vocab)
+    fim_ids = {}
+    if fim:
+        for key, text in FIM_TOKENS:
+            fim_ids[key] = len(tokens)
+            tokens.append(text)
+            scores.append(0.0)
+            types.append(int(gguf.TokenType.CONTROL))
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
 
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(f"localspec-tiny-s{seed}-{vocab}" + (f"-n{noise}-{noise_seed}" if noise else ""))
+    writer.add_name(f"localspec-tiny-s{seed}-{vocab}" + (f"-n{noise}-{noise_seed}" if noise else "")
+                    + ("-fim" if fim else ""))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_context_length(n_ctx_train)
     writer.add_embedding_length(n_embd)
@@ -140,6 +157,8 @@ def make_tiny_gguf(
     # and decodes back as "\u2581", not " ". No prefix space, so text without spaces round-trips.
     writer.add_add_space_prefix(False)
     writer.add_chat_template(CHATML_TEMPLATE)
+    for key, tok in fim_ids.items():
+        writer.add_uint32(f"tokenizer.ggml.fim_{key}_token_id", tok)
 
     # numpy shapes are (out, in); gguf reverses them into ggml's ne order.
     noise_rng = np.random.default_rng(noise_seed)

@@ -27,8 +27,10 @@ from starlette.routing import Route
 from ..spec.engine import Engine
 from ..errors import LocalspecError
 from ..llama.rpc import attached as rpc_attached, on_lost as rpc_on_lost
+from ..spec.fim import infill
 from .supervise import ready_signal
 from .checks import model_info, no_constants, speculation_info
+from .infill_api import infill_body, infill_chunk, parse_infill_request
 from .openai_api import (ApiError, GenRequest, HttpSettings, chunk, closing_chunks, full_response,
                          model_card, model_names, models_list, parse_chat, parse_completion)
 from ..spec.stats import GenerationStats
@@ -147,7 +149,7 @@ class Worker:
         if job.shutdown:
             return job.emit("error", shutting_down())
         if job.cancel.is_set():             # its client left while it waited: never started
-            return job.emit("done", "", GenerationStats(stop_reason="cancelled"))
+            return job.emit("done", "", GenerationStats(stop_reason="cancelled"), None)
         try:
             gen = self._start(job)
         except ApiError as e:
@@ -164,10 +166,14 @@ class Worker:
             return job.emit("error", internal_error(e))
         if job.shutdown:                    # cut short: not an answer that merely ended early
             return job.emit("error", shutting_down())
-        job.emit("done", gen.text, gen.stats)
+        job.emit("done", gen.text, gen.stats, gen)
 
     def _start(self, job: Job):
         req, engine = job.req, self.engine
+        policy = None if req.fixed_k is None else \
+            replace(engine.config.policy, fixed_k=req.fixed_k)
+        if req.fim is not None:
+            return infill(engine, req.fim, req.sampling, req.speculate, job.cancel, policy)
         tokens = engine.tokenize_prompt(req.prompt)
         where = "messages" if req.kind == "chat" else "prompt"
         if not tokens:
@@ -178,8 +184,6 @@ class Worker:
             raise ApiError(400, f"this model's context holds {n_ctx} tokens, but the prompt has "
                                 f"{len(tokens)}; shorten it or restart the server with a larger "
                                 "--ctx", param=where, code="context_length_exceeded")
-        policy = None if req.fixed_k is None else \
-            replace(engine.config.policy, fixed_k=req.fixed_k)
         return engine.generate(tokens, req.sampling, max_tokens=req.max_tokens or n_ctx,
                                stop=req.stop, document=req.document, speculate=req.speculate,
                                cancel=job.cancel, policy=policy)
@@ -249,6 +253,12 @@ class Service:
         return await self._generate(request, parse_completion(body, self.names,
                                                               self.info["n_vocab"]))
 
+    async def infill(self, request):
+        self._auth(request)
+        body = await self._json(request)
+        return await self._generate(request, parse_infill_request(body, self.names,
+                                                                  self.info["n_ctx"]))
+
     # -- helpers -----------------------------------------------------------------------------
     def _auth(self, request) -> None:
         if self.api_key is None:
@@ -307,6 +317,8 @@ class Service:
             raise
         if not req.stream:
             watcher.cancel()
+            if req.kind == "infill":
+                return JSONResponse(infill_body(req, event[3], job.queued_ms, self.names[0]))
             return JSONResponse(full_response(req.kind, rid, created, self.names[0], event[1],
                                               event[2], job.queued_ms))
         return EventStream(self._stream(job, watcher, event, rid, created))
@@ -320,8 +332,12 @@ class Service:
                 yield _sse(chunk("chat", rid, created, model, "", first=True, with_usage=usage_on))
             while True:
                 if event[0] == "piece":
-                    yield _sse(chunk(req.kind, rid, created, model, event[1],
+                    yield _sse(infill_chunk(event[1]) if req.kind == "infill" else
+                               chunk(req.kind, rid, created, model, event[1],
                                      with_usage=usage_on))
+                elif event[0] == "done" and req.kind == "infill":
+                    yield _sse(infill_body(req, event[3], job.queued_ms, model))
+                    return
                 elif event[0] == "done":
                     for c in closing_chunks(req.kind, rid, created, model, event[2],
                                             job.queued_ms, usage_on):
@@ -387,6 +403,7 @@ def build_app(service: Service) -> Starlette:
             Route(prefix + "/models/{model_id:path}", service.model, methods=["GET"]),
             Route(f"{prefix}/chat/completions", service.chat, methods=["POST"]),
             Route(f"{prefix}/completions", service.completions, methods=["POST"]),
+            Route(f"{prefix}/infill", service.infill, methods=["POST"]),
         ]
     return Starlette(routes=routes, exception_handlers={
         ApiError: _api_error, HTTPException: _http_error, Exception: _crash})

@@ -84,7 +84,7 @@ def bad(param: str, message: str) -> ApiError:
 class GenRequest:
     """One validated generation request, whichever endpoint it came from."""
 
-    kind: str                           # "chat" or "text"
+    kind: str                           # "chat", "text" or "infill"
     prompt: Union[str, list]            # text, chat messages, or token ids
     sampling: SamplingParams
     max_tokens: Optional[int]           # None: until EOS or a full context
@@ -94,6 +94,8 @@ class GenRequest:
     document: Optional[str] = None
     speculate: bool = True
     fixed_k: Optional[int] = None
+    fim: Optional[object] = None        # "infill": a spec.fim.FimRequest (infill_api.py)
+    fields: tuple = ()                  # "infill": llama.cpp's response_fields
 
 
 # -- field checks ---------------------------------------------------------------------------------

@@ -13,22 +13,25 @@ import queue
 import sys
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from .. import __version__
 from ..spec.engine import Engine, Prompt
+from ..spec.fim import infill
 from ..errors import LocalspecError
 from ..files import internal_error_line
 from ..spec.sampling import SamplingParams
 from ..spec.stats import GenerationStats
 from .checks import Checks, model_info, no_constants, speculation_info
+from .completion import COMPLETE_PARAMS, REWRITE_PARAMS, parse_complete, parse_rewrite
+from .edit import Rewrite
 
 PROTOCOL_VERSION = 1
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR, GENERATION_ERROR = -32602, -32603, -32000
 PROGRESS = "generate/progress"     # notification method carrying streamed text
 DEFAULT_MAX_TOKENS = 256
-METHODS = ("initialize", "generate", "cancel", "shutdown")
+METHODS = ("initialize", "generate", "complete", "rewrite", "cancel", "shutdown")
 GENERATE_PARAMS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                    "repeat_penalty", "seed", "stop", "document", "speculate", "stream", "k")
 NOTE = object()                    # the "id" of a notification: it never gets a response
@@ -70,6 +73,8 @@ class Job:
     speculate: bool
     stream: bool
     fixed_k: Optional[int] = None        # draft exactly k tokens per step (None: adaptive)
+    kind: str = "generate"               # or "complete", "rewrite": then `task` runs it
+    task: Optional[Callable] = None      # (engine, job, policy) -> the running task
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -117,6 +122,40 @@ def parse_generate(rid: RequestId, params) -> Job:
                stop=stop, document=None if document is None else CHECK.text(document, "document"),
                speculate=CHECK.flag(params, "speculate", True),
                stream=CHECK.flag(params, "stream", True), fixed_k=CHECK.draft_length(params, "k"))
+
+
+def parse_task(rid: RequestId, method: str, params) -> Job:
+    """Validate `complete` or `rewrite` params into a Job (docs/protocol.md)."""
+    if not isinstance(params, dict):
+        raise RpcError(INVALID_PARAMS, f"{method} takes params as an object")
+    allowed = COMPLETE_PARAMS if method == "complete" else REWRITE_PARAMS
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise RpcError(INVALID_PARAMS, f"unknown parameter '{unknown[0]}' ({method} accepts: "
+                                       f"{', '.join(allowed)})")
+    sampling = CHECK.sampling(params)
+    if method == "complete":
+        fim = parse_complete(CHECK, params)
+        task = lambda engine, job, policy: infill(  # noqa: E731
+            engine, fim, sampling, job.speculate, job.cancel, policy)
+    else:
+        rw = parse_rewrite(CHECK, params)
+        task = lambda engine, job, policy: Rewrite(  # noqa: E731
+            engine, rw["instruction"], rw["text"], rw["region"], rw["filename"], sampling,
+            rw["max_tokens"], job.speculate, job.cancel, policy)
+    return Job(rid, "", sampling, 0, [], None, speculate=CHECK.flag(params, "speculate", True),
+               stream=CHECK.flag(params, "stream", True), fixed_k=CHECK.draft_length(params, "k"),
+               kind=method, task=task)
+
+
+def answer(job: Job, gen) -> dict:
+    """The response of a finished job: the text and statistics, and what its kind adds."""
+    if job.kind == "complete":
+        return {**result(gen.text, gen.stats), "finish_reason": gen.finish_reason,
+                "truncated": gen.truncated, "note": gen.note}
+    if job.kind == "rewrite":           # the cleaned rewrite, or a LocalspecError
+        return result(gen.result(), gen.stats)
+    return result(gen.text, gen.stats)
 
 
 def parse_envelope(line: bytes):
@@ -193,12 +232,14 @@ class Server:
         if rid is NOTE and method not in ("cancel", "shutdown"):
             return True                     # other notifications are accepted and ignored
         handler = {"initialize": self._initialize, "generate": self._generate,
+                   "complete": self._task, "rewrite": self._task,
                    "cancel": self._cancel, "shutdown": self._stop_request}.get(method)
         try:
             if handler is None:
                 raise RpcError(METHOD_NOT_FOUND, f"unknown method '{method}' (this server has: "
                                                  f"{', '.join(METHODS)})")
-            result = handler(rid, params)
+            result = handler(rid, params, method) if handler == self._task else \
+                handler(rid, params)
         except Exception as e:
             if not isinstance(e, RpcError):     # a bug: say so on stderr, keep serving
                 e = RpcError(INTERNAL_ERROR, _bug(e))
@@ -212,8 +253,8 @@ class Server:
     def _initialize(self, rid, params) -> dict:
         return self._info
 
-    def _generate(self, rid, params):
-        job = parse_generate(rid, params)
+    def _generate(self, rid, params, job: Optional[Job] = None):
+        job = job or parse_generate(rid, params)
         with self._lock:
             if self._closing:
                 raise RpcError(GENERATION_ERROR, "the server is shutting down")
@@ -223,6 +264,16 @@ class Server:
             self._jobs[rid] = job
         self._queue.put(job)
         return DEFERRED
+
+    def _task(self, rid, params, method: str):
+        """A completion replaces any earlier one still queued or running (the cursor moved)."""
+        job = parse_task(rid, method, params)
+        if method == "complete":
+            with self._lock:
+                for other in self._jobs.values():
+                    if other.kind == "complete":
+                        other.cancel.set()
+        return self._generate(rid, params, job)
 
     def _cancel(self, rid, params) -> dict:
         target = params.get("id") if isinstance(params, dict) else None
@@ -253,21 +304,26 @@ class Server:
     def _run(self, job: Job) -> None:
         if job.cancel.is_set():             # cancelled while queued: never started
             return self._finish(job, result("", GenerationStats(stop_reason="cancelled")))
+        policy = None if job.fixed_k is None else \
+            replace(self.engine.config.policy, fixed_k=job.fixed_k)
         try:
-            gen = self.engine.generate(job.prompt, job.sampling, max_tokens=job.max_tokens,
-                                       stop=job.stop, document=job.document,
-                                       speculate=job.speculate, cancel=job.cancel,
-                                       policy=None if job.fixed_k is None else
-                                       replace(self.engine.config.policy, fixed_k=job.fixed_k))
+            if job.task is not None:
+                gen = job.task(self.engine, job, policy)
+            else:
+                gen = self.engine.generate(job.prompt, job.sampling, max_tokens=job.max_tokens,
+                                           stop=job.stop, document=job.document,
+                                           speculate=job.speculate, cancel=job.cancel,
+                                           policy=policy)
             for piece in gen:
                 if job.stream:
                     self._send({"jsonrpc": "2.0", "method": PROGRESS,
                                 "params": {"id": job.id, "text": piece}})
+            done = answer(job, gen)
         except LocalspecError as e:
             return self._finish(job, error=(GENERATION_ERROR, str(e)))
         except Exception as e:              # a bug: say so on stderr, keep serving
             return self._finish(job, error=(INTERNAL_ERROR, _bug(e)))
-        self._finish(job, result(gen.text, gen.stats))
+        self._finish(job, done)
 
     def _finish(self, job: Job, result=None, error=None) -> None:
         with self._lock:                    # from here on, cancel answers {"cancelled": false}
@@ -300,6 +356,7 @@ def describe(engine: Engine) -> dict:
         "server": {"name": "localspec", "version": __version__},
         "model": model_info(engine),
         "capabilities": {"streaming": True, "cancel": True, "document": True,
+                         "complete": engine.model.fim_tokens() is not None,
                          "messages": engine.model.chat_template() is not None,
                          **speculation_info(engine)},
         "defaults": {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": d.temperature,

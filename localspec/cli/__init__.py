@@ -11,6 +11,7 @@ from .bench import bench
 from .calibrate import calibrate
 from .chat import chat
 from .doctor import doctor
+from .edit import edit
 from .generate import generate
 from .models import models
 from .options import COMMAND, run_command
@@ -35,7 +36,8 @@ def cli():
     """
 
 
-for _command in (generate, calibrate, doctor, models, chat, serve, summarize, bench, rpc_server):
+for _command in (generate, edit, calibrate, doctor, models, chat, serve, summarize, bench,
+                 rpc_server):
     cli.add_command(_command)
 
 

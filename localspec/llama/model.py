@@ -131,6 +131,17 @@ class Model:
         """The raw vocabulary entry of `token` (as stored in the GGUF), for compatibility checks."""
         return _b.C.llama_vocab_get_text(self._vocab, token) or b""
 
+    def fim_tokens(self) -> Optional[dict]:
+        """The model's fill-in-the-middle tokens as llama.cpp's vocabulary reports them:
+        {"pre", "suf", "mid"} always, "pad", "rep", "sep" where the model has them; None when
+        it lacks any of pre/suf/mid (no FIM training that llama.cpp knows of)."""
+        found = {}
+        for name in ("pre", "suf", "mid", "pad", "rep", "sep"):
+            tok = int(getattr(_b.C, f"llama_vocab_fim_{name}")(self._vocab))
+            if 0 <= tok < self.n_vocab:
+                found[name] = tok
+        return found if all(k in found for k in ("pre", "suf", "mid")) else None
+
     def is_eog(self, token: int) -> bool:
         """End of generation: EOS, EOT or any token the GGUF marks as ending a turn."""
         return bool(self._eog[token])
