@@ -1,6 +1,7 @@
 """`localspec serve --http`: the OpenAI-compatible server (starlette routes on uvicorn). One engine on
-its own worker thread runs generations one at a time from a bounded FIFO queue; the async side only
-parses requests, queues jobs and streams their pieces. Request/response shapes: openai_api.py.
+its own worker thread runs generations one at a time from a bounded FIFO queue (http_worker.py);
+the async side only parses requests, queues jobs and streams their pieces. Request/response
+shapes: openai_api.py, infill_api.py.
 """
 
 from __future__ import annotations
@@ -8,14 +9,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import math
-import queue
-import sys
-import threading
 import time
-import traceback
 import uuid
-from dataclasses import replace
 from typing import Optional
 
 from starlette.applications import Starlette
@@ -24,183 +19,18 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..spec.engine import Engine
-from ..errors import LocalspecError
 from ..llama.rpc import attached as rpc_attached, on_lost as rpc_on_lost
-from ..spec.fim import infill
-from .supervise import ready_signal
+from ..spec.engine import Engine
 from .checks import model_info, no_constants, speculation_info
+from .http_worker import Job, Worker
 from .infill_api import infill_body, infill_chunk, parse_infill_request
 from .openai_api import (ApiError, GenRequest, HttpSettings, chunk, closing_chunks, full_response,
                          model_card, model_names, models_list, parse_chat, parse_completion)
-from ..spec.stats import GenerationStats
+from .supervise import ready_signal
 
 DRAIN_LIMIT = 64 << 20     # bytes of an oversized body read and dropped before the 413
 
 
-
-# -- the engine side ------------------------------------------------------------------------------
-class Job:
-    """One request on its way through the queue. The worker thread reports to the event loop
-    with emit(): ("start",), ("piece", text), ("done", text, stats) or ("error", ApiError)."""
-
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop):
-        self.req, self.loop = req, loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()
-        self.admitted = time.monotonic()
-        self.started: Optional[float] = None
-        self.shutdown = False           # cancelled because the server is stopping
-
-    def emit(self, *event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:            # the event loop has closed (shutdown): nobody listens
-            self.cancel.set()
-
-    @property
-    def queued_ms(self) -> float:
-        return 1000 * ((self.started or time.monotonic()) - self.admitted)
-
-
-class Worker:
-    """Owns the engine: one thread takes jobs in arrival order and runs each to its end."""
-
-    def __init__(self, engine: Engine, max_queue: int):
-        self.engine = engine
-        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
-        self._pending: set = set()          # queued or running, for cancel_all()
-        self._lock = threading.Lock()
-        self._mean_s = 1.0                  # running mean of a job's duration, for Retry-After
-        self._running = False
-        self.closing = False                # SIGTERM/Ctrl-C seen: no new work
-        self.lost: Optional[ApiError] = None    # the engine's RPC server is gone: this error
-        self._thread = threading.Thread(target=self._loop, name="localspec-engine", daemon=True)
-        self.max_queue = max_queue
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        """Queue `job`, or answer 503 with a Retry-After estimate when the queue is full."""
-        with self._lock:
-            if self.lost is not None:
-                raise self.lost
-            if self.closing:
-                raise shutting_down()
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                wait = math.ceil(self._mean_s * (self._queue.qsize() + 1))
-                raise ApiError(503, f"the server is busy: {self.max_queue} requests are already "
-                                    "waiting; retry later", code="queue_full",
-                               headers={"Retry-After": str(min(60, max(1, wait)))}) from None
-            self._pending.add(job)
-
-    def waiting(self) -> int:
-        return self._queue.qsize()
-
-    def busy(self) -> bool:
-        return self._running
-
-    def cancel_all(self) -> None:
-        """The server is stopping: refuse new jobs; queued and running ones end at once with a
-        503 their clients see (in-band on a stream), never as a finished answer."""
-        with self._lock:
-            self.closing = True
-            for job in self._pending:
-                job.shutdown = True
-                job.cancel.set()
-
-    def fail_all(self, why: str, wait_s: float = 2.0) -> None:
-        """The engine is lost (its RPC server): running and queued jobs, and any that arrive
-        now, end with a 503 that says why, sent by the event loop while this thread waits; then
-        the process may end (`serve --http --rpc` starts another)."""
-        error = ApiError(503, f"{why} The engine is restarting.", code="backend_unavailable",
-                         headers={"Retry-After": "2"})
-        with self._lock:
-            self.lost = error
-            jobs = list(self._pending)
-        for job in jobs:
-            job.emit("error", error)
-        time.sleep(wait_s if jobs else 0)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self.cancel_all()
-        self._queue.put(None)               # after the jobs already queued (each ends at once)
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._running = True
-            try:
-                self._run(job)
-            finally:
-                self._running = False
-                with self._lock:
-                    self._pending.discard(job)
-                self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - job.started)
-
-    def _run(self, job: Job) -> None:
-        job.started = time.monotonic()
-        if job.shutdown:
-            return job.emit("error", shutting_down())
-        if job.cancel.is_set():             # its client left while it waited: never started
-            return job.emit("done", "", GenerationStats(stop_reason="cancelled"), None)
-        try:
-            gen = self._start(job)
-        except ApiError as e:
-            return job.emit("error", e)
-        except LocalspecError as e:         # the request cannot run: say why (no chat template...)
-            return job.emit("error", ApiError(400, str(e)))
-        except Exception as e:              # a bug: traceback on stderr, 500, keep serving
-            return job.emit("error", internal_error(e))
-        job.emit("start")
-        try:
-            for piece in gen:
-                job.emit("piece", piece)
-        except Exception as e:
-            return job.emit("error", internal_error(e))
-        if job.shutdown:                    # cut short: not an answer that merely ended early
-            return job.emit("error", shutting_down())
-        job.emit("done", gen.text, gen.stats, gen)
-
-    def _start(self, job: Job):
-        req, engine = job.req, self.engine
-        policy = None if req.fixed_k is None else \
-            replace(engine.config.policy, fixed_k=req.fixed_k)
-        if req.fim is not None:
-            return infill(engine, req.fim, req.sampling, req.speculate, job.cancel, policy)
-        tokens = engine.tokenize_prompt(req.prompt)
-        where = "messages" if req.kind == "chat" else "prompt"
-        if not tokens:
-            raise ApiError(400, "the prompt is empty: it has no tokens for this model",
-                           param=where, code="invalid_value")
-        n_ctx = engine.ctx.n_ctx
-        if len(tokens) >= n_ctx:
-            raise ApiError(400, f"this model's context holds {n_ctx} tokens, but the prompt has "
-                                f"{len(tokens)}; shorten it or restart the server with a larger "
-                                "--ctx", param=where, code="context_length_exceeded")
-        return engine.generate(tokens, req.sampling, max_tokens=req.max_tokens or n_ctx,
-                               stop=req.stop, document=req.document, speculate=req.speculate,
-                               cancel=job.cancel, policy=policy)
-
-
-def shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down; this request was not completed",
-                    code="server_shutting_down")
-
-
-def internal_error(e: Exception) -> ApiError:
-    if not isinstance(e, LocalspecError):
-        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
-    return ApiError(500, f"the generation failed: {type(e).__name__}: {e}", code="server_error")
-
-
-# -- the HTTP side --------------------------------------------------------------------------------
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
