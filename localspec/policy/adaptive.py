@@ -141,17 +141,26 @@ class AdaptivePolicy:
         return base
 
     def choose_draft(self, f: DraftFeatures) -> int:
+        return self.choose_scored(Offer(f.source, len(f.tokens), f))[0]
+
+    def choose_scored(self, offer: Offer) -> tuple:
+        """(k, predicted gain E(k)/r(k)) for an offer: offers from several sources (prompt
+        lookup, the draft store) compete by the gain; a draft model's offer scores 0 (it is
+        taken only where no n-gram offer is)."""
+        f = offer.features
+        if f is None:
+            return self.choose(offer), 0.0
         if self.config.fixed_k is not None:
-            return max(0, min(self.config.fixed_k, len(f.tokens)))
+            return max(0, min(self.config.fixed_k, len(f.tokens))), 1.0
         depth, r = 0, None
         if self.guard.allows():         # paused: the cost curve is not read (its refit waits)
             r = self.cost.ratio_list()
             depth = self._depth(r)
         base = self._logits(f, max(1, depth))   # also when off: the plain step learns from p_0
         if not depth or not base:
-            return 0
+            return 0, 0.0
         k, gain = best_draft(self.acceptance.probs(base), r)
-        return k if gain > self.config.min_gain else 0
+        return (k, gain) if gain > self.config.min_gain else (0, 0.0)
 
     def _depth(self, r: Sequence[float]) -> int:
         """How many drafts the loss budget lets this request risk: the k before the first whose

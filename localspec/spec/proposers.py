@@ -5,6 +5,7 @@
     offers(limit) -> [Offer]                   what it could draft now, at no cost yet
     draft(offer, k) -> Proposal                k draft tokens for an offer the policy took
     accept(tokens)                             the tokens the verifier emitted this step
+    end()                                      the request is over (the draft store learns)
     close()
 
 The draft length goes one way: the proposer offers (an n-gram match with its features, or a draft
@@ -23,6 +24,7 @@ from ..policy.acceptance import DraftFeatures, Offer
 from ..policy.calibrate import load_or_measure
 from ..llama import PREFILL_GRID, Context, ContextParams, Model
 from .ngram import NGRAM_MAX, NGRAM_TIE, SOURCE_DOCUMENT, NgramIndex
+from .store_file import LearningStore
 from ..policy.draft_estimate import CostCurve
 from .sampling import SamplingParams, draw, target_dist
 
@@ -61,6 +63,9 @@ class Proposer:
     def accept(self, tokens: Sequence[int]) -> None:
         raise NotImplementedError
 
+    def end(self) -> None:
+        """The request is over (finished, stopped or cancelled)."""
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -77,20 +82,28 @@ class Proposer:
 class NgramProposer(Proposer):
     """Prompt lookup: continue the longest suffix (up to ngram_max tokens) that occurred earlier
     in the prompt, the generated text, or the lookup document (C matcher, incremental, no
-    rescans; occurrence chosen by `tie`, see ngram.py for the defaults and why)."""
+    rescans; occurrence chosen by `tie`, see ngram.py for the defaults and why). With a draft
+    `store` (store.py) it also offers what followed the current context in past outputs; the
+    policy takes the offer it predicts gains most, and every output joins the store."""
 
     name = "ngram"
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = NGRAM_MAX, tie: str = NGRAM_TIE,
-                 token_classes=None):
+                 token_classes=None, store: Optional[LearningStore] = None):
         self._index = NgramIndex(ngram_min=ngram_min, ngram_max=ngram_max, tie=tie)
         self._classes = token_classes      # acceptance.TokenClasses, or None
+        self.store = store
+        self._recent: list = []            # the last tokens of the history: the store's query
 
     def begin(self, history: Sequence[int], document: Optional[Sequence[int]] = None,
               sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
         self._index.truncate(0)
         self._index.append(list(history))
         self._index.set_document(list(document) if document else None)
+        if self.store is not None:
+            self.store.end_output()        # a request left unfinished by its caller
+            self.store.begin_output()
+            self._recent = list(history[-self.store.store.ngram_max:])
 
     def features(self, limit: int) -> Optional[DraftFeatures]:
         """The continuation the matcher finds now (at most `limit` tokens), with its occurrence
@@ -103,18 +116,39 @@ class NgramProposer(Proposer):
         return DraftFeatures(tokens, "document" if source == SOURCE_DOCUMENT else "history",
                              ngram_len, n_occ, agree, breaks)
 
+    def store_features(self, limit: int) -> Optional[DraftFeatures]:
+        """The store's draft for the current context, with its continuation counts."""
+        m = self.store.store.propose(self._recent, limit) if self.store is not None else None
+        if m is None:
+            return None
+        breaks = self._classes(m.tokens) if self._classes is not None else None
+        return DraftFeatures(m.tokens, "store", m.ngram_len, m.n_occ, m.agree, breaks)
+
     def offers(self, limit: int) -> list:
-        f = self.features(limit)
-        return [] if f is None else [Offer(f.source, len(f.tokens), f)]
+        found = [self.features(limit)]
+        if self.store is not None:
+            found.append(self.store_features(limit))
+        return [Offer(f.source, len(f.tokens), f) for f in found if f is not None]
 
     def draft(self, offer: Offer, k: int) -> Proposal:
         return Proposal(list(offer.features.tokens[:k]), None, offer.source, offer.features)
 
     def accept(self, tokens: Sequence[int]) -> None:
-        self._index.append(list(tokens))
+        tokens = list(tokens)
+        self._index.append(tokens)
+        if self.store is not None:
+            self.store.add(tokens)
+            self._recent = (self._recent + tokens)[-self.store.store.ngram_max:]
+
+    def end(self) -> None:
+        if self.store is not None:
+            self.store.end_output()
 
     def close(self) -> None:
         self._index.close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
 
 class DraftProposer(Proposer):
@@ -209,6 +243,9 @@ class HybridProposer(Proposer):
     def accept(self, tokens) -> None:
         self.ngram.accept(tokens)
         self.draft_model.accept(tokens)
+
+    def end(self) -> None:
+        self.ngram.end()
 
     def draft_cost(self, target: CostCurve, progress=None) -> float:
         return self.draft_model.draft_cost(target, progress)
