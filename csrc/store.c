@@ -206,8 +206,9 @@ static void grow(const lsst_store *x, int32_t *alive, int32_t n_alive, int32_t k
                 count[nd++] = 0;
             }
             count[d]++;
-            if (best < 0 || count[d] > count[best]) best = d;
         }
+        for (int32_t d = 0; d < nd; d++)            /* a tie: the first seen, the newest */
+            if (best < 0 || count[d] > count[best]) best = d;
         if (best < 0) break;
         float next = score * (float)count[best] / (float)parent;
         if (next < x->params.floor) break;

@@ -53,9 +53,17 @@ def bytes_per_token(ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX) -> f
 
 
 def capacity_for(budget_mb: float, ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX) -> int:
-    """Tokens a store of `budget_mb` MB of RAM holds (its file is a tenth of that or less)."""
-    per = bytes_per_token(ngram_min, ngram_max)
-    return int(min(MAX_CAPACITY, max(0.0, budget_mb) * 1e6 // per))
+    """The most tokens a store of `budget_mb` MB of RAM holds (its file takes 4 bytes a token,
+    a sixteenth of that): the hash tables grow in powers of two, so it is searched for."""
+    params, budget = _params(ngram_min, ngram_max, MAX_CHAIN, FLOOR), max(0.0, budget_mb) * 1e6
+    lo, hi = 0, MAX_CAPACITY
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if lib.lsst_bytes(params, mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class DraftStore:
