@@ -270,3 +270,32 @@ def test_an_output_learnt_in_one_run_drafts_in_the_next(home, tiny_path):
     assert again == text
     assert st.store_tokens > 0 and st.to_dict()["store_tokens"] == st.store_tokens
     assert "from the draft store" in st.summary()
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+def _cli(*args, home):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LOCALSPEC_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "localspec", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_generate_learns_stats_say_so_and_store_clear_empties_it(home, tiny_path):
+    gen = ["generate", "-m", str(tiny_path), "--proposer", "ngram", "--k", "4", "--threads", "1",
+           "--ctx", "512", "-n", "40", "--stats", "Once upon a time"]
+    first = _cli(*gen, "--no-learn", home=home)
+    assert first.returncode == 0, first.stderr
+    assert "no stores yet" in _cli("store", "stats", home=home).stdout
+    assert _cli(*gen, home=home).stdout == first.stdout            # learns (default)
+    again = _cli(*gen, home=home)
+    assert again.stdout == first.stdout
+    assert "tokens from the draft store" in again.stderr
+    listing = _cli("store", "stats", home=home).stdout
+    assert "tiny-target.gguf: " in listing and " 2 outputs" in listing
+    assert _cli("store", "clear", "-m", str(tiny_path), home=home).returncode == 0
+    assert "no stores yet" in _cli("store", "stats", home=home).stdout
+
+
+def test_serve_help_says_whether_clients_shape_each_other(home):
+    text = " ".join(_cli("serve", "--help", home=home).stdout.split())
+    assert "--no-learn with --http" in text and "one client's outputs could then shape" in text

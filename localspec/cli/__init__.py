@@ -16,6 +16,7 @@ from .models import models
 from .options import COMMAND, run_command
 from .rpc_server import rpc_server
 from .serve import serve
+from .store import store
 from .summarize import summarize
 
 
@@ -35,7 +36,8 @@ def cli():
     """
 
 
-for _command in (generate, calibrate, doctor, models, chat, serve, summarize, bench, rpc_server):
+for _command in (generate, calibrate, doctor, models, chat, serve, summarize, bench, rpc_server,
+                 store):
     cli.add_command(_command)
 
 

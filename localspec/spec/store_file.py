@@ -232,3 +232,30 @@ class LearningStore:
             self.end_output()
         self.flush()
         self.store.close()
+
+
+# -- `localspec store stats | clear` ---------------------------------------------------------
+
+def list_stores() -> list:
+    """[(path, header or None, tokens or None, why)] of every file in the store folder, for
+    `localspec store stats`: a file that cannot be read says why instead."""
+    found = []
+    for path in sorted(store_dir().glob("*" + SUFFIX)):
+        try:
+            header, tokens = read_store(path, None)
+            found.append((path, header, tokens, ""))
+        except (Rejected, OSError) as e:
+            found.append((path, None, None, str(e)))
+    return found
+
+
+def clear_stores(only: Optional[Path] = None) -> int:
+    """Remove every store file (or the one at `only`) under the folder's lock; how many."""
+    folder = store_dir()
+    n = 0
+    with exclusive_lock(folder / ".lock"):
+        for path in folder.glob("*" + SUFFIX):
+            if only is None or path == only:
+                path.unlink(missing_ok=True)
+                n += 1
+    return n
