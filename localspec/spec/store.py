@@ -141,6 +141,10 @@ class DraftStore:
             rc = lib.lsst_append(store, buf, n)
         self._check(rc, "append")
 
+    def clear(self) -> None:
+        """Forget every stored token."""
+        self._check(lib.lsst_drop_oldest(self._live(), len(self)), "clear")
+
     def propose(self, context: Sequence[int], k: int) -> Optional[StoreMatch]:
         """The draft (up to k <= 64 tokens) for the last ngram_max tokens of `context`; None
         when no stored context matches or no continuation clears the floor."""

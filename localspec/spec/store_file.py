@@ -222,6 +222,16 @@ class LearningStore:
         if time.monotonic() - self._saved_at >= self.save_every_s:
             self.flush()
 
+    def remember(self, tokens: Sequence[int]) -> None:
+        """Add one finished output at once (the bench and the replay: a request's output joins
+        the store when it ends, so repeated rounds of one case never draft from themselves)."""
+        self.store.extend(list(tokens) + [BREAK])
+
+    def reset(self) -> None:
+        """An empty store (a bench session's start); the file is not touched."""
+        self.store.clear()
+        self._pending = []
+
     def flush(self) -> None:
         if self.file is not None and self._pending and self.file.save(self._pending):
             self._pending = []
