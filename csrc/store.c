@@ -1,4 +1,4 @@
-/* store.c: the draft store declared in store.h (definitions, complexity and a worked example there).
+/* store.c: the draft store declared in store.h (definitions, complexity, a worked example there).
  *
  * Layout of one store inside the caller's block:
  *   struct lsst_store | tokens [capacity] | prev [G, capacity] | slots [G, n_slots]

@@ -51,10 +51,9 @@ def sessions_of(cases: list) -> "OrderedDict":
     return groups
 
 
-def replay_sessions(cases: list, curve: list, policy=None) -> list:
+def replay_sessions(cases: list, curve: list, config: PolicyConfig = PolicyConfig()) -> list:
     """[(session, case id, ngram speedup, its bound, store speedup, its bound)]."""
-    make = policy or (lambda: AdaptivePolicy(CostModel(curve, rp.BASE_MS, CostConfig()),
-                                             PolicyConfig()))
+    make = lambda: AdaptivePolicy(CostModel(curve, rp.BASE_MS, CostConfig()), config)  # noqa
     rows = []
     for name, group in sessions_of(cases).items():
         store = LearningStore(DraftStore(capacity_for(64)), None, learn=False)
@@ -99,6 +98,7 @@ def main(argv=None) -> None:
     rep.add_argument("--curve", default="here,flat")
     rep.add_argument("--threads", type=int, default=2)
     rep.add_argument("--per-case", action="store_true")
+    rep.add_argument("--store-evidence", type=int, default=PolicyConfig().store_evidence)
     a = ap.parse_args(argv)
     if a.cmd == "record":
         from tools.replay_record import record
@@ -112,7 +112,9 @@ def main(argv=None) -> None:
     for spec in a.curve.split(","):
         name, curve = curve_of(spec, model, a.threads)
         shown = ", ".join(f"{r:.2f}" for r in curve[1:9])
-        report(replay_sessions(cases, curve), f"curve {name}: r(1..8) = {shown}", a.per_case)
+        config = PolicyConfig(store_evidence=a.store_evidence)
+        report(replay_sessions(cases, curve, config), f"curve {name}: r(1..8) = {shown}",
+               a.per_case)
 
 
 if __name__ == "__main__":

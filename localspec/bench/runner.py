@@ -69,7 +69,8 @@ def parse_modes(text: str) -> list:
     for name in (s.strip() for s in text.split(",") if s.strip()):
         base, _, k = name.partition("-k")
         if base not in bases or (k and not k.isdigit()) or (k and base == "plain"):
-            raise LocalspecError(f"unknown mode {name!r}; use plain, ngram, store, draft, hybrid, peer, "
+            raise LocalspecError(f"unknown mode {name!r}; use plain, ngram, store, draft, hybrid, "
+                                 "peer, "
                                  "or one of those but plain with -kN (e.g. ngram-k3).")
         if k and int(k) > K_LIMIT and base != "peer":
             raise LocalspecError(f"mode {name!r} drafts more than {K_LIMIT} tokens a step, the "
