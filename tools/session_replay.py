@@ -17,6 +17,7 @@ separated by `/` (e.g. 1/1.9/2.5/3.1). A design tool: it prints and asserts noth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections import OrderedDict
 
@@ -70,6 +71,58 @@ def replay_sessions(cases: list, curve: list, config: PolicyConfig = PolicyConfi
     return rows
 
 
+def store_rows(cases: list, k_max: int = K_MAX) -> tuple:
+    """(z, y, depth) over every position where the draft store has a proposal, sessions
+    replayed in order: z the acceptance prior's logit of each draft position up to the first
+    miss (no store bias), y whether it matched the recorded output. The request state is kept
+    as plain decoding sees it (tools/replay.py training_rows)."""
+    from localspec.policy.acceptance import AcceptanceConfig, AcceptanceModel, RequestState
+    model = AcceptanceModel(AcceptanceConfig(store_bias=0.0))
+    z, y, depth, lens = [], [], [], []
+    for group in sessions_of(cases).values():
+        store = LearningStore(DraftStore(capacity_for(64)), None, learn=False)
+        for c in group:
+            out, n, state = c.out, len(c.out), RequestState()
+            prop = rp._proposer(c, 8, "earliest", store)
+            try:
+                for t in range(1, n):
+                    f = prop.store_features(min(k_max, n - t))
+                    if f is not None:
+                        run = rp.run_length(f.tokens, out, t)
+                        m = min(run + 1, len(f.tokens))
+                        z.extend(model.base_logits(f, m, state))
+                        y.extend(float(i < run) for i in range(m))
+                        depth.extend(range(m))
+                        lens.extend([f.ngram_len] * m)
+                    state.verified(prop.features(min(k_max, n - t)), 0, 0, out[t:t + 1])
+                    prop.accept(out[t:t + 1])
+            finally:
+                rp._close(prop)
+            store.remember(out)
+        store.close()
+    return z, y, depth, lens
+
+
+def fit_bias(z, y, depth, lens) -> tuple:
+    """(store_bias, store_len) maximising the likelihood of y under
+    sigmoid(z + store_bias + store_len log(len / 4)), each position weighted 1 / (1 + depth)
+    as the prior's fit weighs them (Newton steps, a small L2 pull to 0)."""
+    import numpy as np
+    z, y = np.asarray(z), np.asarray(y)
+    w = 1.0 / (1.0 + np.asarray(depth))
+    X = np.stack([np.ones(len(y)), np.log(np.asarray(lens) / 4.0)], axis=1)
+    b = np.zeros(2)
+    for _ in range(50):
+        p = 1.0 / (1.0 + np.exp(-(z + X @ b)))
+        grad = X.T @ (w * (p - y)) + 0.1 * b
+        hess = (X * (w * p * (1 - p))[:, None]).T @ X + 0.1 * np.eye(2)
+        step = np.linalg.solve(hess, grad)
+        b -= step
+        if np.abs(step).max() < 1e-9:
+            break
+    return float(b[0]), float(b[1])
+
+
 def report(rows: list, title: str, per_case: bool = False) -> None:
     print(f"\n{title}")
     print(f"{'session':<12} {'cases':>5} {'ngram':>7} {'bound':>7} {'store':>7} {'bound':>7} "
@@ -99,11 +152,24 @@ def main(argv=None) -> None:
     rep.add_argument("--threads", type=int, default=2)
     rep.add_argument("--per-case", action="store_true")
     rep.add_argument("--store-evidence", type=int, default=PolicyConfig().store_evidence)
+    rep.add_argument("--store-bias", type=float, nargs=2, default=None,
+                     metavar=("BIAS", "LEN"))
+    ft = sub.add_parser("fit")
+    ft.add_argument("paths", nargs="+")
     a = ap.parse_args(argv)
     if a.cmd == "record":
         from tools.replay_record import record
         record(a.path, a.threads, cases=a.cases.split(",") if a.cases else None,
                workloads=a.workloads, model=a.model)
+        return
+    if a.cmd == "fit":
+        z, y, depth, lens = [], [], [], []
+        for path in a.paths:
+            for part, rows in zip((z, y, depth, lens), store_rows(rp.load(path))):
+                part.extend(rows)
+        bias, per_len = fit_bias(z, y, depth, lens)
+        print(f"{len(y)} store positions, {sum(y) / max(len(y), 1):.1%} matched: "
+              f"store_bias = {bias:.3f}, store_len = {per_len:.3f}")
         return
     import json
     with open(a.path) as f:
@@ -113,6 +179,9 @@ def main(argv=None) -> None:
         name, curve = curve_of(spec, model, a.threads)
         shown = ", ".join(f"{r:.2f}" for r in curve[1:9])
         config = PolicyConfig(store_evidence=a.store_evidence)
+        if a.store_bias is not None:
+            config = dataclasses.replace(config, acceptance=dataclasses.replace(
+                config.acceptance, store_bias=a.store_bias[0], store_len=a.store_bias[1]))
         report(replay_sessions(cases, curve, config), f"curve {name}: r(1..8) = {shown}",
                a.per_case)
 

@@ -243,6 +243,8 @@ class Engine:
         scored (the acceptance model learns while speculation is off)."""
         passed, best = EMPTY, None
         for offer in self.proposer.offers(min(room, policy.config.k_max)):
+            if offer.features is None and best is not None:
+                break                    # a draft model only fills in where lookup has nothing
             k, gain = policy.choose_scored(offer)        # sources compete by predicted gain
             if k > 0 and (best is None or gain > best[2]):
                 best = (offer, k, gain)
