@@ -65,7 +65,7 @@ def replay_sessions(cases: list, curve: list, config: PolicyConfig = PolicyConfi
                 with_store = rp.replay_case(c, make, curve, store=store).speedup
                 store_bound = rp.bound_case(c, curve, store=store)
                 rows.append((name, c.id, ngram, ngram_bound, with_store, store_bound))
-                store.remember(c.out)
+                store.remember(c.out, c.prompt)
         finally:
             store.close()
     return rows
@@ -86,7 +86,8 @@ def store_rows(cases: list, k_max: int = K_MAX) -> tuple:
             prop = rp._proposer(c, 8, "earliest", store)
             try:
                 for t in range(1, n):
-                    f = prop.store_features(min(k_max, n - t))
+                    f = next((o.features for o in prop.offers(min(k_max, n - t))
+                              if o.source == "store"), None)       # where the store competes
                     if f is not None:
                         run = rp.run_length(f.tokens, out, t)
                         m = min(run + 1, len(f.tokens))
@@ -98,7 +99,7 @@ def store_rows(cases: list, k_max: int = K_MAX) -> tuple:
                     prop.accept(out[t:t + 1])
             finally:
                 rp._close(prop)
-            store.remember(out)
+            store.remember(out, c.prompt)
         store.close()
     return z, y, depth, lens
 

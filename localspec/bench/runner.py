@@ -201,7 +201,8 @@ class Bench:
                 self._new_session()
             session = case.session
             max_tokens = min(case.max_tokens, self.settings.max_tokens or case.max_tokens)
-            n_prompt = len(any_engine.tokenize_prompt(case.messages())) if any_engine else 0
+            prompt = any_engine.tokenize_prompt(case.messages()) if any_engine else []
+            n_prompt = len(prompt)
             tag = f"[{i}/{len(cases)}] {case.id}"
             self.say(f"{tag} ({case.kind}, {n_prompt} prompt tokens, max {max_tokens})")
             rounds = []                   # per round: {mode name: Outcome}
@@ -220,7 +221,7 @@ class Bench:
                              f"{out.ttft_ms:7.0f} ms  {out.decode_tps:6.2f} tok/s")
                 rounds.append(outs)
             outs = rounds[0]
-            self._remember(outs)
+            self._remember(outs, prompt)
             plain, peer = outs.get("plain"), outs.get(peer_name)
             load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
             for mode in self.modes:
@@ -249,10 +250,10 @@ class Bench:
         for _, store in self._stores():
             store.reset()
 
-    def _remember(self, outs: dict) -> None:
+    def _remember(self, outs: dict, prompt: list) -> None:
         """A case's output joins its mode's store once its rounds are done (memory only)."""
         for name, store in self._stores():
-            store.remember(outs[name].tokens)
+            store.remember(outs[name].tokens, prompt)
 
     def _explain(self, row: Row, case: Case, out: Outcome, plain: Outcome) -> None:
         """Where a greedy output left plain's, and how close plain's top-2 logits were there."""

@@ -174,7 +174,7 @@ def _sigmoid(z: float) -> float:
 # right. Two terms, fitted on the store's proposals over recorded sessions and over unrelated
 # requests replayed as sessions (`python -m tools.session_replay fit`), say how much:
 # logit += store_bias + store_len * log(ngram_len / 4).
-STORE_BIAS, STORE_LEN = -1.670, 2.983
+STORE_BIAS, STORE_LEN = -0.5, 0.668
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,8 @@ class NgramProposer(Proposer):
         self._index.set_document(list(document) if document else None)
         if self.store is not None:
             self.store.end_output()        # a request left unfinished by its caller
-            self.store.begin_output()
             self._recent = list(history[-self.store.store.ngram_max:])
+            self.store.begin_output(self._recent)
 
     def features(self, limit: int) -> Optional[DraftFeatures]:
         """The continuation the matcher finds now (at most `limit` tokens), with its occurrence
@@ -127,7 +127,11 @@ class NgramProposer(Proposer):
     def offers(self, limit: int) -> list:
         found = [self.features(limit)]
         if self.store is not None:
-            found.append(self.store_features(limit))
+            mine = self.store_features(limit)
+            # The request's own text matched over a context at least as long speaks for this
+            # request; the store competes where it knows a longer context than prompt lookup.
+            if mine is not None and (found[0] is None or found[0].ngram_len < mine.ngram_len):
+                found.append(mine)
         return [Offer(f.source, len(f.tokens), f) for f in found if f is not None]
 
     def draft(self, offer: Offer, k: int) -> Proposal:

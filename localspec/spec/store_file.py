@@ -203,8 +203,12 @@ class LearningStore:
             store.load_ms = 1000 * (time.perf_counter() - t0)
         return cls(store, file, learn)
 
-    def begin_output(self) -> None:
+    def begin_output(self, prompt: Sequence[int] = ()) -> None:
+        """A request starts; the last tokens of its prompt go in first (the chat template's
+        "assistant" turn, the question's end), so that the first tokens of later outputs have
+        a long context to match, not only the 2-token rest of a chat template."""
         self._open = self.learn
+        self.add(list(prompt[-self.store.ngram_max:]))
 
     def add(self, tokens: Sequence[int]) -> None:
         if self._open and tokens:
@@ -222,10 +226,11 @@ class LearningStore:
         if time.monotonic() - self._saved_at >= self.save_every_s:
             self.flush()
 
-    def remember(self, tokens: Sequence[int]) -> None:
-        """Add one finished output at once (the bench and the replay: a request's output joins
-        the store when it ends, so repeated rounds of one case never draft from themselves)."""
-        self.store.extend(list(tokens) + [BREAK])
+    def remember(self, tokens: Sequence[int], prompt: Sequence[int] = ()) -> None:
+        """Add one finished output (after the end of its prompt) at once: the bench and the
+        replay add a request's output when it ends, so repeated rounds of one case never
+        draft from themselves."""
+        self.store.extend(list(prompt[-self.store.ngram_max:]) + list(tokens) + [BREAK])
 
     def reset(self) -> None:
         """An empty store (a bench session's start); the file is not touched."""
