@@ -319,3 +319,17 @@ def test_store_counts_stand_in_for_the_run_a_request_has_not_shown_yet():
                          PolicyConfig(store_evidence=0))
     f = DraftFeatures(tokens, "store", 6, n_occ=5, agree=agree)
     assert off.choose_scored(Offer("store", len(tokens), f))[0] == 0
+
+
+def test_the_editor_protocol_learns_and_its_stats_count_store_tokens(tiny_path, tmp_path):
+    from test_serve import Server
+    srv = Server(tiny_path, tmp_path, "--ctx", "1024")
+    try:
+        params = {"prompt": "Once upon a time", "max_tokens": 32, "stream": False, "k": 4}
+        first = srv.call("generate", params)["result"]
+        second = srv.call("generate", params)["result"]
+    finally:
+        assert srv.close() == 0
+    assert second["text"] == first["text"]
+    assert first["stats"]["store_tokens"] == 0 and second["stats"]["store_tokens"] > 0
+    assert list((tmp_path / "home" / "store").glob("*.lsds"))     # --stdio learns by default
