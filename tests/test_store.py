@@ -333,3 +333,15 @@ def test_the_editor_protocol_learns_and_its_stats_count_store_tokens(tiny_path, 
     assert second["text"] == first["text"]
     assert first["stats"]["store_tokens"] == 0 and second["stats"]["store_tokens"] > 0
     assert list((tmp_path / "home" / "store").glob("*.lsds"))     # --stdio learns by default
+
+
+def test_the_index_starts_small_and_grows_to_the_budget():
+    with DraftStore(capacity=300_000) as s:
+        start = s._mem
+        s.extend(list(range(70_000)) + [BREAK])
+        assert s._mem is not start and len(s) == 70_001
+        s.extend([5, 6, 7, BREAK])
+        assert s.propose([69_998, 69_999], 2) is None       # ended with the output
+        assert s.propose([3, 4], 2).tokens == [5, 6]
+        s.extend(list(range(100_000, 400_000)))
+        assert len(s) <= 300_000 and s.tokens()[-1] == 399_999

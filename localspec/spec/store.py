@@ -9,8 +9,10 @@ counts: agree[i] of n_occ earlier occurrences continue with tokens[0..i]; the pr
 child/parent count ratios is its score. The acceptance model reads the counts (share = the
 ratio, log_support = the count) exactly as it reads prompt lookup's occurrence support.
 
-Memory is bounded: `capacity` tokens, from a budget in MB (bytes_per_token); when full, the
-oldest half is dropped (eviction by age: old sessions matter least). Not thread-safe.
+Memory is bounded: at most `capacity` tokens, from a budget in MB (capacity_for); the index
+starts small and doubles as outputs arrive (a new store costs ~4 MB, not the budget), and once
+at the budget the oldest half is dropped (eviction by age: old sessions matter least). Not
+thread-safe.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ MAX_CHAIN = 64                  # newest occurrences counted (a count is at most
 FLOOR = 0.1                     # least score (product of count ratios) a drafted token may have
 MAX_CAPACITY = lib.LSST_MAX_CAPACITY
 _K = 64                          # output buffers: the policy never asks for more (K_LIMIT 16)
+_START = 1 << 16                 # tokens a new store's index holds before it first doubles
 _alloc = ffi.new_allocator(should_clear_after_alloc=False)
 
 
@@ -81,20 +84,35 @@ class DraftStore:
         if not 1 <= capacity <= MAX_CAPACITY:
             raise ValueError(f"capacity must be in [1, {MAX_CAPACITY}], got {capacity}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.max_capacity = capacity
         self._params = _params(ngram_min, ngram_max, max_chain, floor)
-        n_bytes = lib.lsst_bytes(self._params, capacity)
-        if not n_bytes:
+        if not lib.lsst_bytes(self._params, capacity):
             raise ValueError(f"invalid store parameters: ngram {ngram_min}..{ngram_max}, "
                              f"max_chain {max_chain}, floor {floor}")
-        self._mem = _alloc("uint64_t[]", (n_bytes + 7) // 8)
-        out = ffi.new("lsst_store **")
-        self._check(lib.lsst_init(self._mem, n_bytes, self._params, capacity, out), "init")
-        self._store = out[0]
+        self._mem, self._store = self._new_index(min(capacity, _START))
         self._ctx = ffi.new("int32_t[]", ngram_max)
         self._tokens = ffi.new("int32_t[]", _K)
         self._agree = ffi.new("int32_t[]", _K)
         self._match = ffi.new("lsst_match *")
         self.n_evicted = 0
+
+    def _new_index(self, capacity: int) -> tuple:
+        n_bytes = lib.lsst_bytes(self._params, capacity)
+        mem = _alloc("uint64_t[]", (n_bytes + 7) // 8)
+        out = ffi.new("lsst_store **")
+        self._check(lib.lsst_init(mem, n_bytes, self._params, capacity, out), "init")
+        return mem, out[0]
+
+    def _grow(self, need: int) -> None:
+        """Move into an index of twice the capacity (or what `need` tokens take, at most the
+        budget's): O(tokens held), amortised by doubling."""
+        old = self._store
+        capacity = lib.lsst_capacity(old)
+        while capacity < need:
+            capacity *= 2
+        mem, store = self._new_index(min(capacity, self.max_capacity))
+        self._check(lib.lsst_append(store, lib.lsst_tokens(old), lib.lsst_len(old)), "grow")
+        self._mem, self._store = mem, store
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
@@ -114,7 +132,8 @@ class DraftStore:
 
     @property
     def capacity(self) -> int:
-        return lib.lsst_capacity(self._live())
+        """The most tokens it may hold (the budget's), whatever its index holds now."""
+        return self.max_capacity
 
     def tokens(self) -> np.ndarray:
         """[len] int32 copy of the corpus (BREAK between outputs), oldest first."""
@@ -125,14 +144,18 @@ class DraftStore:
         """Append token ids (>= 0) and BREAKs; when full, the oldest half is evicted first (the
         newest tokens of a batch larger than the store are kept)."""
         store = self._live()
-        cap = lib.lsst_capacity(store)
-        if type(tokens) is list and len(tokens) <= 64:          # the per-step path
+        cap = self.max_capacity
+        if type(tokens) is list and len(tokens) <= min(64, cap):     # the per-step path
             buf = ffi.new("int32_t[]", tokens)
         else:
             arr = np.ascontiguousarray(tokens, dtype=np.int32)[-cap:]
             buf = ffi.from_buffer("int32_t[]", arr)
         n = len(buf)
         rc = lib.lsst_append(store, buf, n)
+        if rc == lib.LSST_ERR_FULL and lib.lsst_capacity(store) < cap:
+            self._grow(lib.lsst_len(store) + n)
+            store = self._store
+            rc = lib.lsst_append(store, buf, n)
         if rc == lib.LSST_ERR_FULL:
             held = lib.lsst_len(store)
             drop = max(held // 2, held + n - cap)
