@@ -3,6 +3,7 @@ reference on seeded random corpora, eviction, and every fault the issue names (c
 truncated, wrong-version, other-model files; a disk that refuses mid-save; kill -9 during a
 save; budget 0; two writers at once): each is at most one warning line, and the next start
 finds a valid store. Then the engine: a store learns from one run and drafts in the next."""
+import dataclasses
 import doctest
 import os
 import random
@@ -345,3 +346,20 @@ def test_the_index_starts_small_and_grows_to_the_budget():
         assert s.propose([3, 4], 2).tokens == [5, 6]
         s.extend(list(range(100_000, 400_000)))
         assert len(s) <= 300_000 and s.tokens()[-1] == 399_999
+
+
+def test_session_replay_on_the_recorded_sessions():
+    """The shipped recording of the shipped sessions (Qwen2.5-Coder-1.5B greedy, Zen 4):
+    every session replays, the store never lowers the future-knowing bound (it only adds
+    offers), and a case outside any session has an empty store (store == ngram exactly)."""
+    from tools import replay as rp
+    from tools.session_replay import curve_of, replay_sessions
+    cases = rp.load(str(REPO / "tests" / "data" / "sessions_zen4.json"))
+    _, flat = curve_of("flat", "", 2)
+    rows = replay_sessions(cases, flat)
+    assert {r[0] for r in rows} == {"editor", "agent", "summarize", "chat"}
+    assert all(r[5] >= r[3] - 1e-9 for r in rows)
+    first = [r for r in rows if r[1] in ("editor-1-mean", "agent-1")]
+    assert all(abs(r[4] - r[2]) < 1e-9 for r in first)         # each session starts empty
+    lone = replay_sessions([dataclasses.replace(c, session=None) for c in cases[:3]], flat)
+    assert all(abs(r[4] - r[2]) < 1e-9 for r in lone)
