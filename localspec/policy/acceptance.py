@@ -27,6 +27,8 @@ class DraftFeatures:
     n_occ: int = 1            # earlier occurrences of that suffix visited (<= 64)
     agree: Optional[Sequence[int]] = None  # [n] of those, how many continue with tokens[0..i]
     breaks: Optional[Sequence[int]] = None  # [n] token_class() of each continuation token
+    trust: float = 0.0        # logit the proposer adds from its own record (the draft store:
+                              # how often its first tokens were right lately, across requests)
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,8 @@ class AcceptanceModel:
         recent = state.recent
         const = w0 + w3 * (f.n_occ <= 1) + w5 * math.log1p(min(state.streak, 64)) + w7 * recent
         if f.source == "store":
-            const += self.config.store_bias + self.config.store_len * math.log(f.ngram_len / 4)
+            const += self.config.store_bias + self.config.store_len * math.log(f.ngram_len / 4) \
+                + f.trust
         newline = w8 + w10 * recent
         pos = self._position_terms(f.ngram_len, n)
         agree, breaks = f.agree, f.breaks

@@ -94,6 +94,7 @@ class NgramProposer(Proposer):
         self._classes = token_classes      # acceptance.TokenClasses, or None
         self.store = store
         self._recent: list = []            # the last tokens of the history: the store's query
+        self._offered = None               # first token of this step's store offer
 
     def begin(self, history: Sequence[int], document: Optional[Sequence[int]] = None,
               sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
@@ -121,8 +122,11 @@ class NgramProposer(Proposer):
         m = self.store.store.propose(self._recent, limit) if self.store is not None else None
         if m is None:
             return None
-        breaks = self._classes(m.tokens) if self._classes is not None else None
-        return DraftFeatures(m.tokens, "store", m.ngram_len, m.n_occ, m.agree, breaks)
+        # No line-break / sentence-end classes: a quoted source is left at those, but a past
+        # output's line breaks and punctuation are as much its pattern as its words (the
+        # JSON of tool calls, docstring sections): their prior terms cut the store's runs short.
+        return DraftFeatures(m.tokens, "store", m.ngram_len, m.n_occ, m.agree, None,
+                             self.store.trust)
 
     def offers(self, limit: int) -> list:
         found = [self.features(limit)]
@@ -130,8 +134,10 @@ class NgramProposer(Proposer):
             mine = self.store_features(limit)
             # The request's own text matched over a context at least as long speaks for this
             # request; the store competes where it knows a longer context than prompt lookup.
+            self._offered = None
             if mine is not None and (found[0] is None or found[0].ngram_len < mine.ngram_len):
                 found.append(mine)
+                self._offered = mine.tokens[0]         # checked in accept()
         return [Offer(f.source, len(f.tokens), f) for f in found if f is not None]
 
     def draft(self, offer: Offer, k: int) -> Proposal:
@@ -141,6 +147,9 @@ class NgramProposer(Proposer):
         tokens = list(tokens)
         self._index.append(tokens)
         if self.store is not None:
+            if self._offered is not None and tokens:
+                self.store.checked(tokens[0] == self._offered)
+                self._offered = None
             self.store.add(tokens)
             self._recent = (self._recent + tokens)[-self.store.store.ngram_max:]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -37,6 +38,9 @@ SUFFIX = ".lsds"
 DEFAULT_MB = 64.0        # RAM for ~1M tokens (about a year of one person's outputs); the file
                          # is 4 bytes a token, a sixteenth of that
 ENV_MB = "LOCALSPEC_STORE_MB"
+TRUST_PRIOR = 0.6        # share of store offers right, before any is checked (the sessions'
+                         # and unrelated requests' replays: 68% where the store competes)
+TRUST_DECAY = 0.9        # per checked offer: the last ~10 count
 _EMPTY = np.zeros(0, np.uint8)
 
 
@@ -183,6 +187,8 @@ class LearningStore:
         self.store, self.file, self.learn = store, file, learn
         self.save_every_s = save_every_s
         self._pending: list = []           # tokens added since the last save
+        self.hits = TRUST_PRIOR            # decayed share of store offers whose first token
+                                           # was right, across requests
         self._open = False                 # an output is being added
         self._saved_at = 0.0
 
@@ -202,6 +208,17 @@ class LearningStore:
             store.extend(file.load())
             store.load_ms = 1000 * (time.perf_counter() - t0)
         return cls(store, file, learn)
+
+    def checked(self, right: bool) -> None:
+        """One store offer's first token against what was emitted there (drafted or not)."""
+        self.hits = TRUST_DECAY * self.hits + (1.0 - TRUST_DECAY) * right
+
+    @property
+    def trust(self) -> float:
+        """The logit by which recent offers were right more (or less) often than offers in
+        general: an agent loop's store earns trust, one of unrelated requests loses it."""
+        h = min(0.99, max(0.01, self.hits))
+        return math.log(h / (1.0 - h)) - math.log(TRUST_PRIOR / (1.0 - TRUST_PRIOR))
 
     def begin_output(self, prompt: Sequence[int] = ()) -> None:
         """A request starts; the last tokens of its prompt go in first (the chat template's
