@@ -253,6 +253,7 @@ class LearningStore:
         """An empty store (a bench session's start); the file is not touched."""
         self.store.clear()
         self._pending = []
+        self.hits = TRUST_PRIOR
 
     def flush(self) -> None:
         if self.file is not None and self._pending and self.file.save(self._pending):
