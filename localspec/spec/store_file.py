@@ -256,9 +256,15 @@ class LearningStore:
         self.hits = TRUST_PRIOR
 
     def flush(self) -> None:
-        if self.file is not None and self._pending and self.file.save(self._pending):
+        """Save what this process added since its last save; kept for the next try when the
+        disk refuses (at most the store's capacity of it: the newest)."""
+        if self.file is None or not self._pending:
+            return
+        if self.file.save(self._pending):
             self._pending = []
             self._saved_at = time.monotonic()
+        else:
+            del self._pending[:-self.store.capacity]
 
     def close(self) -> None:
         if self._open:
