@@ -1,4 +1,7 @@
-"""cffi (API mode) build of the C n-gram matcher: csrc/ngram.c -> localspec._ngram_c."""
+"""cffi (API mode) build of the C n-gram matcher and the draft store: csrc/ngram.c and
+csrc/store.c -> localspec._ngram_c. One module for both: they share the token-id conventions,
+the build flags and the packaging (setup.py's one cffi_modules entry, MANIFEST.in's graft), and
+each keeps its own prefix (lsng_, lsst_) and header."""
 import os
 
 from cffi import FFI
@@ -6,18 +9,19 @@ from cffi import FFI
 _CSRC = os.path.relpath(os.path.dirname(os.path.abspath(__file__)))  # setuptools wants relative paths
 
 
-def _declarations(header: str) -> str:
+def _declarations(header: str, marker: str) -> str:
     """The header's declaration-only block (between the CDEF markers) for cdef()."""
     with open(header, encoding="utf-8") as f:
         text = f.read()
-    return text.split("/* LSNG_CDEF_BEGIN */")[1].split("/* LSNG_CDEF_END */")[0]
+    return text.split(f"/* {marker}_CDEF_BEGIN */")[1].split(f"/* {marker}_CDEF_END */")[0]
 
 
 ffibuilder = FFI()
-ffibuilder.cdef(_declarations(os.path.join(_CSRC, "ngram.h")))
-ffibuilder.set_source("localspec._ngram_c", '#include "ngram.h"',
-                      sources=[os.path.join(_CSRC, "ngram.c")], include_dirs=[_CSRC],
-                      extra_compile_args=["-std=c99", "-O2"])
+ffibuilder.cdef(_declarations(os.path.join(_CSRC, "ngram.h"), "LSNG"))
+ffibuilder.cdef(_declarations(os.path.join(_CSRC, "store.h"), "LSST"))
+ffibuilder.set_source("localspec._ngram_c", '#include "ngram.h"\n#include "store.h"',
+                      sources=[os.path.join(_CSRC, "ngram.c"), os.path.join(_CSRC, "store.c")],
+                      include_dirs=[_CSRC], extra_compile_args=["-std=c99", "-O2"])
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -398,3 +398,23 @@ def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "ratios.png"
     plot_ratios(rows, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_store_mode_sessions_start_empty_and_learn_in_file_order(tiny_path, tmp_path):
+    """Two sessions of the same prompt twice: the store mode drafts from the store only in each
+    session's second case (its first starts with an empty store), output equals plain's."""
+    path = tmp_path / "sessions.jsonl"
+    case = {"kind": "chat", "instruction": "Once upon a time", "max_tokens": 24}
+    path.write_text("".join(json.dumps({**case, "id": f"{s}-{i}", "session": s}) + "\n"
+                            for s in ("a", "b") for i in (1, 2)))
+    cases = load_workloads(path)
+    assert [c.session for c in cases] == ["a", "a", "b", "b"]
+    settings = BenchSettings(str(tiny_path), n_ctx=1024, warmup=False)
+    with Bench(parse_modes("plain,ngram-k4,store-k4"), settings) as b:
+        rows = b.run(cases)
+    store = {r.case: r.stats.get("store_tokens", 0) for r in rows if r.mode == "store-k4"}
+    assert store["a-1"] == store["b-1"] == 0
+    assert store["a-2"] > 0 and store["b-2"] == store["a-2"]
+    assert all(r.identical for r in rows if r.mode != "plain")
+    kinds = {s["kind"] for s in summarize(rows)}
+    assert {"session a", "session b", "all"} <= kinds

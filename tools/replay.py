@@ -37,6 +37,8 @@ class Recorded:
     margin: list          # [n] top-2 logit margin of the row that chose out[j]
     p_top: list           # [n] its top-1 probability
     classes: dict = field(default_factory=dict)   # {token id: token_class}, PLAIN left out
+    session: Optional[str] = None                 # workload session (tools/session_replay.py)
+    order: int = 0                                # the case's line in its workloads file
 
     def token_classes(self) -> Callable:
         return lambda tokens: [self.classes.get(t, PLAIN) for t in tokens]
@@ -46,15 +48,40 @@ def load(path: str) -> list:
     with open(path) as f:
         data = json.load(f)
     classes = {int(t): c for t, c in data.get("token_class", {}).items()}
-    return [Recorded(cid, c["kind"], c["prompt"], c["out"], c["margin"], c["p_top"], classes)
+    return [Recorded(cid, c["kind"], c["prompt"], c["out"], c["margin"], c["p_top"], classes,
+                     c.get("session"), c.get("order", 0))
             for cid, c in data["cases"].items()]
 
 
-def _proposer(case: Recorded, ngram_max: int, tie: str) -> NgramProposer:
-    prop = NgramProposer(1, ngram_max, tie, token_classes=case.token_classes())
+def _proposer(case: Recorded, ngram_max: int, tie: str, store=None) -> NgramProposer:
+    """The engine's n-gram proposer on the case's prompt and first token; with `store` (a
+    spec.store_file.LearningStore that does not learn: the caller remembers the output after
+    the case) it also offers the draft store's continuations."""
+    prop = NgramProposer(1, ngram_max, tie, token_classes=case.token_classes(), store=store)
     prop.begin(case.prompt)
     prop.accept(case.out[:1])
     return prop
+
+
+def _close(prop: NgramProposer) -> None:
+    prop.store = None             # the store outlives the case (a session's)
+    prop.close()
+
+
+def choose(policy, offers: list) -> tuple:
+    """The engine's choice among a step's offers (Engine._propose): (features, k) of the offer
+    with the best predicted gain, else (the first offer's features or None, 0)."""
+    best = None
+    for offer in offers:
+        if len(offers) == 1:           # prompt lookup alone: the call wrappers watch
+            k, gain = policy.choose_draft(offer.features), 0.0
+        else:
+            k, gain = policy.choose_scored(offer)
+        if k > 0 and (best is None or gain > best[2]):
+            best = (offer.features, k, gain)
+    if best is not None:
+        return best[0], best[1]
+    return (offers[0].features if offers else None), 0
 
 
 def extend_curve(points: Sequence[float], k_max: int = 16, anchors: Optional[dict] = None) -> list:
@@ -148,22 +175,23 @@ def jitter(sigma: float, seed: str) -> Callable[[float], float]:
 def replay_case(case: Recorded, make_policy: Callable, curve: Sequence[float], *,
                 propose_cost: float = 0.0, tie_margin: float = 0.25, ngram_max: int = 8,
                 tie: str = "earliest", k_max: int = 16, trace: Optional[list] = None,
-                timing_noise: float = 0.0, seed: int = 0) -> CaseScore:
+                timing_noise: float = 0.0, seed: int = 0, store=None) -> CaseScore:
     """Run one recorded case through NgramProposer + make_policy() against the true `curve`;
     `trace` (a list) collects (t, k, n_accepted, n_emitted, matching run) per step;
     `timing_noise` > 0: the policy is told jittered times (jitter(), seeded by seed and case)."""
     out, n = case.out, len(case.out)
     policy = make_policy()
     told = jitter(timing_noise, f"{seed}:{case.id}") if timing_noise > 0 else (lambda ms: ms)
-    prop = _proposer(case, ngram_max, tie)
+    prop = _proposer(case, ngram_max, tie, store)
     score = CaseScore(1.0)
     try:
         policy.start()
         t, recheck = 1, False
         while t < n:
             # the engine's way: the proposer offers, the policy chooses k, k tokens are drafted
-            f = None if recheck else prop.features(min(k_max, n - t, policy.config.k_max))
-            drafts = list(f.tokens[:policy.choose_draft(f)]) if f is not None else []
+            offers = [] if recheck else prop.offers(min(k_max, n - t, policy.config.k_max))
+            f, k = choose(policy, offers)
+            drafts = list(f.tokens[:k]) if f is not None else []
             k = len(drafts)
             n_acc = run_length(drafts, out, t)
             step_cost = curve[k] + propose_cost   # rechecks too: a conservative charge
@@ -183,7 +211,7 @@ def replay_case(case: Recorded, make_policy: Callable, curve: Sequence[float], *
             score.accepted += n_acc
             score.cost += step_cost
     finally:
-        prop.close()
+        _close(prop)
     score.speedup = (n - 1) / score.cost if score.cost else 1.0
     return score
 
@@ -210,7 +238,8 @@ def _tie_cut(margin: Sequence[float], t: int, n_acc: int, k: int, tie_margin: fl
 
 
 def bound_case(case: Recorded, curve: Sequence[float], *, tie_margin: float = 0.25,
-               ngram_max: int = 8, tie: str = "earliest", k_max: int = 16) -> float:
+               ngram_max: int = 8, tie: str = "earliest", k_max: int = 16,
+               store=None) -> float:
     """The best any policy drafting a prefix of the matcher's proposal can do, knowing the
     future: at each position t the proposal's length and matching run are known, and a dynamic
     programme picks how many tokens each step emits (j + 1 with j <= run, rows t..t+j clear of
@@ -223,15 +252,16 @@ def bound_case(case: Recorded, curve: Sequence[float], *, tie_margin: float = 0.
     """
     out, n = case.out, len(case.out)
     runs, avail = [0] * n, [0] * n
-    prop = _proposer(case, ngram_max, tie)
+    prop = _proposer(case, ngram_max, tie, store)
     try:
         for t in range(1, n):
-            f = prop.features(min(k_max, n - t))
-            if f is not None:
-                runs[t], avail[t] = run_length(f.tokens, out, t), len(f.tokens)
+            for o in prop.offers(min(k_max, n - t)):     # with a store: the better offer
+                run = run_length(o.features.tokens, out, t)
+                if (run, o.limit) > (runs[t], avail[t]):
+                    runs[t], avail[t] = run, o.limit
             prop.accept(out[t:t + 1])
     finally:
-        prop.close()
+        _close(prop)
     best = [0.0] * (n + 1)              # best[t]: least cost to emit out[t:]
     for t in range(n - 1, 0, -1):
         best[t] = curve[0] + best[t + 1]

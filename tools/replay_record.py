@@ -78,6 +78,7 @@ def record(path: str, threads: int = 2, exact: bool = False, cases: Optional[lis
         if data.get("model", eng.model.path.name) != eng.model.path.name:
             data["cases"] = {}             # another model's outputs: nothing to resume
         data["model"] = eng.model.path.name
+        order = {c.id: i for i, c in enumerate(load_workloads(workloads, ids=cases))}
         for case in _by_turns(load_workloads(workloads, ids=cases)):
             if case.id in data["cases"]:
                 continue
@@ -85,7 +86,8 @@ def record(path: str, threads: int = 2, exact: bool = False, cases: Optional[lis
             load = os.getloadavg()[0]
             prompt = eng.tokenize_prompt(case.messages())
             trace = greedy_trace(eng.ctx, prompt, case.max_tokens, eng.model.is_eog)
-            data["cases"][case.id] = {"kind": case.kind, "prompt": prompt, "load": load, **trace}
+            data["cases"][case.id] = {"kind": case.kind, "prompt": prompt, "load": load,
+                                      "session": case.session, "order": order[case.id], **trace}
             data["token_class"] = token_class_map(data, eng.model.token_piece)
             _save(path, data)
             say(f"{case.id}: {len(trace['out'])} tokens, "

@@ -37,6 +37,12 @@ class Row:
     ratio_range: Optional[list] = None   # [lowest, highest] per-round ratio to plain
     text: str = ""
     stats: dict = field(default_factory=dict)
+    session: Optional[str] = None     # the workload session the case belongs to
+
+
+def group_of(row: Row) -> str:
+    """What a summary line covers: the session ("session agent") or the case's kind."""
+    return f"session {row.session}" if row.session else row.kind
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
@@ -57,7 +63,7 @@ def make_row(case: Case, mode, prompt_tokens: int, out: Outcome,
               round(st.mean_accepted_len, 3) if st and mode.name != "plain" else None,
               round(st.acceptance_rate, 4) if st and mode.name != "plain" else None,
               None, stop_reason=out.stop_reason, text=out.text,
-              stats=st.to_dict() if st else {})
+              stats=st.to_dict() if st else {}, session=case.session)
     if plain is not None and plain is not out:
         row.ratio = _ratio(out.decode_tps, plain.decode_tps)
         row.text_identical = out.text == plain.text
@@ -112,12 +118,12 @@ def summarize(rows: Sequence[Row]) -> list:
     """Per kind (and "all") and mode: geometric-mean ratio to plain, the worst case, geometric-
     mean ratio to the peer, and how many outputs were identical to plain."""
     out = []
-    kinds = [k for k in KINDS if any(r.kind == k for r in rows)]
-    kinds += sorted({r.kind for r in rows} - set(KINDS))
+    kinds = [k for k in KINDS if any(group_of(r) == k for r in rows)]
+    kinds += sorted({group_of(r) for r in rows} - set(KINDS))
     modes = list(dict.fromkeys(r.mode for r in rows))
     for kind in kinds + ["all"]:
         for mode in modes:
-            sel = [r for r in rows if r.mode == mode and kind in (r.kind, "all")]
+            sel = [r for r in rows if r.mode == mode and kind in (group_of(r), "all")]
             if not sel:
                 continue
             rated = [r for r in sel if r.ratio is not None]

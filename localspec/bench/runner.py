@@ -36,8 +36,9 @@ Say = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Mode:
-    """plain | ngram, draft, hybrid (adaptive k) | ngram-kN, draft-kN, hybrid-kN (always N
-    drafts) | peer | peer-kN (N predicted)."""
+    """plain | ngram, draft, hybrid (adaptive k) | store (ngram + the draft store, empty at
+    each session's start) | ngram-kN, store-kN, draft-kN, hybrid-kN (always N drafts) | peer |
+    peer-kN (N predicted)."""
 
     name: str
     fixed_k: Optional[int] = None
@@ -48,7 +49,12 @@ class Mode:
 
     @property
     def proposer(self) -> str:
-        return "none" if self.name == "plain" else self.name.partition("-")[0]
+        base = self.name.partition("-")[0]
+        return "none" if base == "plain" else "ngram" if base == "store" else base
+
+    @property
+    def store(self) -> bool:
+        return self.name.partition("-")[0] == "store"
 
     @property
     def policy(self) -> PolicyConfig:
@@ -58,12 +64,13 @@ class Mode:
 def parse_modes(text: str) -> list:
     """"plain,ngram,ngram-k3,peer" -> Modes; plain first whenever it is listed (it is the
     reference for ratios and identity)."""
-    bases = ("plain", "ngram", "draft", "hybrid", "peer")
+    bases = ("plain", "ngram", "store", "draft", "hybrid", "peer")
     modes = []
     for name in (s.strip() for s in text.split(",") if s.strip()):
         base, _, k = name.partition("-k")
         if base not in bases or (k and not k.isdigit()) or (k and base == "plain"):
-            raise LocalspecError(f"unknown mode {name!r}; use plain, ngram, draft, hybrid, peer, "
+            raise LocalspecError(f"unknown mode {name!r}; use plain, ngram, store, draft, hybrid, "
+                                 "peer, "
                                  "or one of those but plain with -kN (e.g. ngram-k3).")
         if k and int(k) > K_LIMIT and base != "peer":
             raise LocalspecError(f"mode {name!r} drafts more than {K_LIMIT} tokens a step, the "
@@ -125,6 +132,7 @@ class Bench:
                                        n_ctx=settings.n_ctx, n_threads=settings.n_threads,
                                        n_gpu_layers=settings.n_gpu_layers, exact=settings.exact,
                                        cache_mb=0,    # every request starts cold
+                                       store=m.store, store_disk=False, learn=False,
                                        policy=m.policy)
                     self.engines[m.name] = Engine(self.model, cfg, progress=say)
         except Exception:
@@ -187,9 +195,14 @@ class Bench:
         greedy = self.settings.sampling.greedy
         peer_name = next((m.name for m in self.modes if m.is_peer), None)
         any_engine = next(iter(self.engines.values()), None)
+        session = object()
         for i, case in enumerate(cases, 1):
+            if case.session is None or case.session != session:
+                self._new_session()
+            session = case.session
             max_tokens = min(case.max_tokens, self.settings.max_tokens or case.max_tokens)
-            n_prompt = len(any_engine.tokenize_prompt(case.messages())) if any_engine else 0
+            prompt = any_engine.tokenize_prompt(case.messages()) if any_engine else []
+            n_prompt = len(prompt)
             tag = f"[{i}/{len(cases)}] {case.id}"
             self.say(f"{tag} ({case.kind}, {n_prompt} prompt tokens, max {max_tokens})")
             rounds = []                   # per round: {mode name: Outcome}
@@ -208,6 +221,7 @@ class Bench:
                              f"{out.ttft_ms:7.0f} ms  {out.decode_tps:6.2f} tok/s")
                 rounds.append(outs)
             outs = rounds[0]
+            self._remember(outs, prompt)
             plain, peer = outs.get("plain"), outs.get(peer_name)
             load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
             for mode in self.modes:
@@ -226,6 +240,20 @@ class Bench:
             if on_case is not None:
                 on_case(self.rows)
         return self.rows
+
+    def _stores(self):
+        return [(m.name, self.engines[m.name].proposer.store) for m in self.modes
+                if m.store and self.engines[m.name].proposer is not None]
+
+    def _new_session(self) -> None:
+        """Every store mode starts a session (or a case outside any) with an empty store."""
+        for _, store in self._stores():
+            store.reset()
+
+    def _remember(self, outs: dict, prompt: list) -> None:
+        """A case's output joins its mode's store once its rounds are done (memory only)."""
+        for name, store in self._stores():
+            store.remember(outs[name].tokens, prompt)
 
     def _explain(self, row: Row, case: Case, out: Outcome, plain: Outcome) -> None:
         """Where a greedy output left plain's, and how close plain's top-2 logits were there."""

@@ -25,6 +25,8 @@ class Case:
     instruction: str
     document: Optional[str]           # the source text the prompt quotes (None for chat)
     max_tokens: int
+    session: Optional[str] = None     # cases of one session run in file order, each mode
+                                      # starting the session with an empty draft store
 
     def user_message(self) -> str:
         """One user message, shaped as workloads/README.md says.
@@ -81,13 +83,15 @@ def load_workloads(path: Optional[Path] = None, kinds: Optional[Sequence[str]] =
             continue
         try:
             d = json.loads(line)
-            raw = (d["id"], d["kind"], d.get("source"), d["instruction"], int(d["max_tokens"]))
+            raw = (d["id"], d["kind"], d.get("source"), d["instruction"], int(d["max_tokens"]),
+                   d.get("session"))
         except (ValueError, KeyError, TypeError) as e:
             raise LocalspecError(f"{path}:{n}: not a workload case ({e}); see the format in "
                                  "docs/benchmarks.md.") from None
         if (kinds and raw[1] not in kinds) or (ids and raw[0] not in ids):
             continue
-        cases.append(Case(raw[0], raw[1], raw[3], read_source(raw[2]), raw[4]))
+        cases.append(Case(raw[0], raw[1], raw[3], read_source(raw[2]), raw[4],
+                          str(raw[5]) if raw[5] is not None else None))
     missing = sorted(set(ids or ()) - {c.id for c in cases})
     if missing:
         raise LocalspecError(f"no case called {', '.join(missing)} in {path} (with these kinds).")

@@ -103,7 +103,7 @@ class DiskFolder:
         count too; those of a save that was killed (its process gone) are removed."""
         files = []
         for path in self.root.glob("*/.*.tmp"):
-            if _stale_temp(path):
+            if stale_temp(path):
                 path.unlink(missing_ok=True)
             else:
                 files.append((0, _size(path), None))     # another save in progress: count it
@@ -160,7 +160,7 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _stale_temp(path: Path) -> bool:
+def stale_temp(path: Path) -> bool:
     """Whether a save's temporary file (".NAME.PID.RANDOM.tmp", format.write_file) was left by
     a process that no longer runs, and has not been written for a minute."""
     try:

@@ -112,10 +112,11 @@ def context_key(ctx: Context) -> str:
 
 
 def write_file(path: Path, key: str, tokens, data: np.ndarray, model_name: str,
-               meta: Optional[dict] = None, clean: tuple = (0, 0)) -> int:
+               meta: Optional[dict] = None, clean: tuple = (0, 0), mode: int = 0o666) -> int:
     """Write an entry atomically (temp file in the same dir, then os.replace): a reader sees the
-    old file or the new one, never half of one. `clean`: the saved context's Context.clean.
-    Returns the file size."""
+    old file or the new one, never half of one. `clean`: the saved context's Context.clean;
+    `mode`: the file's permissions before the umask (0o600: its owner's only). Returns the
+    file size."""
     toks = np.ascontiguousarray(tokens, dtype="<i4")
     digest = hashlib.sha256(toks.tobytes())
     digest.update(memoryview(data))
@@ -125,7 +126,7 @@ def write_file(path: Path, key: str, tokens, data: np.ndarray, model_name: str,
                          "clean": [int(clean[0]), int(clean[1])]}).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
             f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)))
             f.write(header)
             f.write(toks.tobytes())

@@ -17,6 +17,7 @@ from .models import models
 from .options import COMMAND, run_command
 from .rpc_server import rpc_server
 from .serve import serve
+from .store import store
 from .summarize import summarize
 
 
@@ -37,7 +38,7 @@ def cli():
 
 
 for _command in (generate, edit, calibrate, doctor, models, chat, serve, summarize, bench,
-                 rpc_server):
+                 rpc_server, store):
     cli.add_command(_command)
 
 

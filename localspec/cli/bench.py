@@ -28,7 +28,9 @@ def _csv(_ctx, _param, value):
 @click.option("--draft", default="default-draft", show_default=True,
               help="Draft model for the draft and hybrid modes (catalog name or .gguf path).")
 @click.option("--modes", default="plain,ngram,peer", show_default=True,
-              help="Comma-separated: plain, ngram (adaptive k), draft, hybrid (n-gram, then the "
+              help="Comma-separated: plain, ngram (adaptive k), store (ngram with the draft "
+                   "store of past outputs, in memory, empty at the start of each workload "
+                   "session), draft, hybrid (n-gram, then the "
                    "draft model), peer (llama-cpp-python's LlamaPromptLookupDecoding, k=10); "
                    "add -kN to any but plain to draft exactly N tokens (ngram-k3, peer-k4; "
                    "N at most 16 but for peer).")

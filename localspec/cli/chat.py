@@ -10,7 +10,8 @@ import click
 from ..apps.chat import ChatConfig, ChatLoop, ChatSession
 from ..errors import LocalspecError
 from ..text import check_utf8, decode_utf8
-from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options
+from .options import (COMMAND, build_sampling, learn_option, model_options, open_engine,
+                      sampling_options)
 
 MAX_TOKENS = 512
 
@@ -64,6 +65,8 @@ def _pipe_reader() -> Callable[[], Optional[str]]:
                    "model and settings its KV state too, so nothing is re-read. Saves back to "
                    "NAME at the end unless --save names another.")
 @model_options()
+@learn_option(True, "On by default: one user's replies shape the drafts of their next "
+                    "turns and chats (--resume included).")
 @sampling_options
 def chat(system, show_stats, save_as, resume, **kw):
     """Chat with MODEL in the terminal, replies streamed as they are generated.

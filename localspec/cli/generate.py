@@ -7,8 +7,8 @@ import sys
 import click
 
 from ..text import read_text_file
-from .options import (COMMAND, build_sampling, model_options, open_engine, sampling_options,
-                      text_arg)
+from .options import (COMMAND, build_sampling, learn_option, model_options, open_engine,
+                      sampling_options, text_arg)
 
 
 @click.command(context_settings=COMMAND)
@@ -21,6 +21,9 @@ from .options import (COMMAND, build_sampling, model_options, open_engine, sampl
                    "UTF-8.")
 @click.option("--stats", is_flag=True, help="Print acceptance and speed statistics to stderr.")
 @model_options(default_proposer="none")
+@learn_option(True, "It drafts and learns with --proposer ngram or hybrid; plain decoding "
+                    "touches no store. On by default: scripts that call generate again and "
+                    "again (agent loops) gain most, and only the file outlives the process.")
 @sampling_options
 def generate(prompt, chat, system, document, stats, **kw):
     """Complete PROMPT (or stdin with `-`) and stream the text to stdout. Input must be UTF-8.

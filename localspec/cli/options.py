@@ -118,6 +118,19 @@ def model_options(default_proposer: str = "ngram"):
     return wrap
 
 
+def learn_option(default, note: str = ""):
+    """--learn/--no-learn: whether this run's outputs join the draft store (spec/store.py).
+    `default` per command (None: the command decides, e.g. serve by its transport)."""
+    shown = "" if default is None else f" [default: {'learn' if default else 'no-learn'}]"
+    return click.option(
+        "--learn/--no-learn", default=default,
+        help="Keep this run's outputs in the draft store, a file per model under "
+             "$LOCALSPEC_HOME/store (owner-only), so later requests and runs draft what was "
+             "written before: faster, never different text. --no-learn writes nothing and "
+             "still drafts from what is stored; LOCALSPEC_STORE_MB=0 turns the store off, "
+             "`localspec store clear` empties it." + (f" {note}" if note else "") + shown)
+
+
 def sampling_options(f):
     """--temperature and the rest of the sampler chain, plus --max-tokens and --stop."""
     opts = [
@@ -182,6 +195,7 @@ def engine_config(kw: dict) -> EngineConfig:
                         exact=kw.get("exact", False), n_threads=kw["threads"],
                         n_gpu_layers=layers, rpc=kw.get("rpc") or (),
                         cache_mb=kw.get("cache_mb"), cache_disk=kw.get("cache_disk", False),
+                        store="learn" in kw, learn=bool(kw.get("learn")),
                         policy=PolicyConfig(fixed_k=kw["fixed_k"]))
 
 

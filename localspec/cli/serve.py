@@ -12,7 +12,7 @@ from ..apps.protocol import Server
 from ..apps.stdio import Writer, read_lines, take_stdout
 from ..apps.supervise import serve_stdio_supervised, supervised
 from .http import http_options, run_http
-from .options import COMMAND, model_options, open_engine
+from .options import COMMAND, learn_option, model_options, open_engine
 
 
 @click.command(context_settings=COMMAND)
@@ -23,6 +23,11 @@ from .options import COMMAND, model_options, open_engine
                    "directory, so a restarted server finds the documents it had read).")
 @http_options
 @model_options()
+@learn_option(None, "Default: learn with --stdio (one editor, one user); --no-learn with "
+                    "--http, where every client's outputs would join one store: one client's "
+                    "outputs could then shape (speed up, never change) another's replies, and "
+                    "a reply's speed could hint that a text was written before. Pass --learn "
+                    "to a server only you use.")
 def serve(stdio, no_disk_cache, **kw):
     """Serve a model: the editor protocol on stdin/stdout (--stdio), or an OpenAI-compatible HTTP
     API (--http [HOST:]PORT). Pass exactly one of the two.
@@ -49,6 +54,8 @@ def serve(stdio, no_disk_cache, **kw):
     if stdio == bool(kw["http_bind"]):
         raise click.UsageError("pass exactly one of --stdio and --http [HOST:]PORT.")
     kw["cache_disk"] = not no_disk_cache
+    if kw["learn"] is None:
+        kw["learn"] = not kw["http_bind"]
     set_log_level()
     if kw["http_bind"]:
         return run_http(kw)

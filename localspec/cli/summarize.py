@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options
+from .options import (COMMAND, build_sampling, learn_option, model_options, open_engine,
+                      sampling_options)
 from ..errors import LocalspecError
 from ..text import check_utf8
 from ..apps.summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summarizer, Summary,
@@ -32,6 +33,7 @@ from ..apps.summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summ
 @click.option("-f", "--force", is_flag=True,
               help="Summarise again inputs whose output file already exists.")
 @model_options(default_proposer="ngram")
+@learn_option(True, "On by default: summaries of similar files share their shape.")
 @sampling_options
 def summarize(inputs, output_dir, fmt, globs, instruction, force, **kw):
     """Summarise files, directories (recursively) or stdin (`-`).

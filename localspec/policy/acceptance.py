@@ -27,6 +27,8 @@ class DraftFeatures:
     n_occ: int = 1            # earlier occurrences of that suffix visited (<= 64)
     agree: Optional[Sequence[int]] = None  # [n] of those, how many continue with tokens[0..i]
     breaks: Optional[Sequence[int]] = None  # [n] token_class() of each continuation token
+    trust: float = 0.0        # logit the proposer adds from its own record (the draft store:
+                              # how often its first tokens were right lately, across requests)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,15 @@ def _sigmoid(z: float) -> float:
     return e / (1.0 + e)
 
 
+# The prior weights were fitted on prompt lookup's proposals. A draft-store proposal with the same
+# features is right more or less often, mostly by how long its context is: a 2-token context
+# from another request is noise more often than not, a 5-token one in a session nearly always
+# right. Two terms, fitted on the store's proposals over recorded sessions and over unrelated
+# requests replayed as sessions (`python -m tools.session_replay fit`), say how much:
+# logit += store_bias + store_len * log(ngram_len / 4).
+STORE_BIAS, STORE_LEN = -0.5, 0.668
+
+
 @dataclass(frozen=True)
 class AcceptanceConfig:
     weights: tuple = PRIOR_WEIGHTS
@@ -176,6 +187,8 @@ class AcceptanceConfig:
     offset_limit: float = 3.0     # |offset| cap, in logits
     p_floor: float = 0.001
     p_ceil: float = 0.995         # nothing is certain: a copied run ends somewhere
+    store_bias: float = STORE_BIAS  # logit added to draft-store positions (above)
+    store_len: float = STORE_LEN    # and per log of their context length over 4
 
 
 @dataclass
@@ -202,6 +215,9 @@ class AcceptanceModel:
         w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10 = self._wl
         recent = state.recent
         const = w0 + w3 * (f.n_occ <= 1) + w5 * math.log1p(min(state.streak, 64)) + w7 * recent
+        if f.source == "store":
+            const += self.config.store_bias + self.config.store_len * math.log(f.ngram_len / 4) \
+                + f.trust
         newline = w8 + w10 * recent
         pos = self._position_terms(f.ngram_len, n)
         agree, breaks = f.agree, f.breaks

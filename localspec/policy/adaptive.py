@@ -141,25 +141,46 @@ class AdaptivePolicy:
         return base
 
     def choose_draft(self, f: DraftFeatures) -> int:
+        return self.choose_scored(Offer(f.source, len(f.tokens), f))[0]
+
+    def choose_scored(self, offer: Offer) -> tuple:
+        """(k, predicted gain E(k)/r(k)) for an offer: offers from several sources (prompt
+        lookup, the draft store) compete by the gain; a draft model's offer scores 0 (it is
+        taken only where no n-gram offer is)."""
+        f = offer.features
+        if f is None:
+            return self.choose(offer), 0.0
         if self.config.fixed_k is not None:
-            return max(0, min(self.config.fixed_k, len(f.tokens)))
+            return max(0, min(self.config.fixed_k, len(f.tokens))), 1.0
         depth, r = 0, None
         if self.guard.allows():         # paused: the cost curve is not read (its refit waits)
             r = self.cost.ratio_list()
-            depth = self._depth(r)
+            depth = self._depth(r, self._evidence(f))
         base = self._logits(f, max(1, depth))   # also when off: the plain step learns from p_0
         if not depth or not base:
-            return 0
+            return 0, 0.0
         k, gain = best_draft(self.acceptance.probs(base), r)
-        return k if gain > self.config.min_gain else 0
+        return (k, gain) if gain > self.config.min_gain else (0, 0.0)
 
-    def _depth(self, r: Sequence[float]) -> int:
+    def _evidence(self, f: DraftFeatures) -> int:
+        """A run of right guesses an offer brings with it: the leading draft-store tokens that
+        followed this context at least `store_evidence` times before (their counts are what
+        the request would otherwise have to show itself, a token at a time)."""
+        need = self.config.store_evidence
+        if not need or f.source != "store" or f.agree is None:
+            return 0
+        n = 0
+        while n < len(f.agree) and f.agree[n] >= need:
+            n += 1
+        return n
+
+    def _depth(self, r: Sequence[float], shown: int = 0) -> int:
         """How many drafts the loss budget lets this request risk: the k before the first whose
         r(k) - 1 plain steps lost (a draft missing at once) exceed `loss_budget` x (the longest
         run of right guesses the request has shown + 1). On a GPU, r(k) ~ 1: never binding; on
         a 2-core CPU, 15 drafts risk ~6 steps. Only these positions are predicted: on chat, 2-5
         of up to 16 (the Python per step that runs whether or not anything is drafted)."""
-        budget = 1.0 + self.config.loss_budget * (self.state.longest + 1)
+        budget = 1.0 + self.config.loss_budget * (max(self.state.longest, shown) + 1)
         n, d = min(self.config.k_max, len(r) - 1), 0
         while d < n and r[d + 1] <= budget:
             d += 1

@@ -44,6 +44,10 @@ class PolicyConfig:
     loss_budget: float = 0.4          # plain steps a draft may risk per token of the longest
                                       # copied run the request has shown (+1): deep drafts on
                                       # steep CPUs wait for evidence that the text copies
+    store_evidence: int = 2           # a draft-store offer whose first tokens followed this
+                                      # context at least this often before counts them as a
+                                      # run of right guesses the request has shown (the loss
+                                      # budget); 0: only the request's own runs count
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     # a draft model's proposals

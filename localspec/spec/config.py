@@ -38,5 +38,9 @@ class EngineConfig:
     ngram_max: int = NGRAM_MAX
     ngram_tie: str = NGRAM_TIE
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    store: bool = False                   # the draft store of past outputs (spec/store.py)
+    learn: bool = True                    # add this engine's outputs to it (False: read only)
+    store_mb: Optional[float] = None      # its RAM budget (None: $LOCALSPEC_STORE_MB or 64)
+    store_disk: bool = True               # keep it in <home>/store across restarts
     learn_cost: bool = True               # refine r(k) from step timings (False: the cached
                                           # curve alone decides k: same k sequence every run)

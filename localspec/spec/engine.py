@@ -208,6 +208,7 @@ class Engine:
             st.generated_tokens = len(req.out)
             if req.policy is not None:
                 st.pauses = req.policy.guard.n_backoffs
+                self.proposer.end()            # the draft store keeps the output
             st.total_ms = 1000 * (time.perf_counter() - start)
             if not st.stop_reason:
                 st.stop_reason = "cancelled"
@@ -240,14 +241,16 @@ class Engine:
         """The draft length's one way: the proposer offers, the policy chooses k, the proposer
         drafts k. An offer not taken goes to the plain step, which says what it would have
         scored (the acceptance model learns while speculation is off)."""
-        passed = EMPTY
+        passed, best = EMPTY, None
         for offer in self.proposer.offers(min(room, policy.config.k_max)):
-            k = policy.choose(offer)
-            if k > 0:
-                return self.proposer.draft(offer, k)
-            if passed is EMPTY and offer.features is not None:
+            if offer.features is None and best is not None:
+                break                    # a draft model only fills in where lookup has nothing
+            k, gain = policy.choose_scored(offer)        # sources compete by predicted gain
+            if k > 0 and (best is None or gain > best[2]):
+                best = (offer, k, gain)
+            elif passed is EMPTY and offer.features is not None:
                 passed = Proposal([], None, offer.source, offer.features)
-        return passed
+        return self.proposer.draft(best[0], best[1]) if best is not None else passed
 
     @staticmethod
     def _learn(policy: AdaptivePolicy, proposal: Proposal, result: StepResult,

@@ -20,6 +20,7 @@ from ..files import cache_dir
 from ..llama import Context, ContextParams, Model, ModelParams, enable_exact_kernels
 from ..policy.draft_estimate import DraftPolicy
 from ..cache.prompt_cache import PromptCache, default_budget_mb
+from .store_file import LearningStore
 from .proposers import DraftProposer, HybridProposer, NgramProposer, Proposer
 from ..llama.rpc import attach as attach_rpc
 
@@ -126,8 +127,10 @@ def make_proposer(config: EngineConfig, target: Model,
 def make_ngram(config: EngineConfig, target: Model) -> NgramProposer:
     """The n-gram proposer, telling the acceptance model which drafted tokens are line breaks or
     sentence ends (acceptance.token_class) through the target's vocabulary."""
+    store = LearningStore.for_model(target.path, target.path.name, config.store_mb,
+                                    config.learn, config.store_disk) if config.store else None
     return NgramProposer(config.ngram_min, config.ngram_max, config.ngram_tie,
-                         token_classes=TokenClasses(target.token_piece))
+                         token_classes=TokenClasses(target.token_piece), store=store)
 
 
 def load_draft(config: EngineConfig, target: Model,

@@ -1,7 +1,8 @@
 """Prompt-lookup proposer: a typed wrapper over the C n-gram matcher (csrc/ngram.h).
 
-The only module that imports localspec._ngram_c. It owns argument checking, capacity growth and the
-native memory's lifetime (close() / with-block); the matching rules live in csrc/ngram.h.
+One of the two modules that import localspec._ngram_c (store.py, the draft store, is the other).
+It owns argument checking, capacity growth and the native memory's lifetime (close() /
+with-block); the matching rules live in csrc/ngram.h.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@
     offers(limit) -> [Offer]                   what it could draft now, at no cost yet
     draft(offer, k) -> Proposal                k draft tokens for an offer the policy took
     accept(tokens)                             the tokens the verifier emitted this step
+    end()                                      the request is over (the draft store learns)
     close()
 
 The draft length goes one way: the proposer offers (an n-gram match with its features, or a draft
@@ -23,6 +24,7 @@ from ..policy.acceptance import DraftFeatures, Offer
 from ..policy.calibrate import first_run_budget, load_or_measure
 from ..llama import PREFILL_GRID, Context, ContextParams, Model
 from .ngram import NGRAM_MAX, NGRAM_TIE, SOURCE_DOCUMENT, NgramIndex
+from .store_file import LearningStore
 from ..policy.draft_estimate import CostCurve
 from .sampling import SamplingParams, draw, target_dist
 
@@ -61,6 +63,9 @@ class Proposer:
     def accept(self, tokens: Sequence[int]) -> None:
         raise NotImplementedError
 
+    def end(self) -> None:
+        """The request is over (finished, stopped or cancelled)."""
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -77,20 +82,29 @@ class Proposer:
 class NgramProposer(Proposer):
     """Prompt lookup: continue the longest suffix (up to ngram_max tokens) that occurred earlier
     in the prompt, the generated text, or the lookup document (C matcher, incremental, no
-    rescans; occurrence chosen by `tie`, see ngram.py for the defaults and why)."""
+    rescans; occurrence chosen by `tie`, see ngram.py for the defaults and why). With a draft
+    `store` (store.py) it also offers what followed the current context in past outputs; the
+    policy takes the offer it predicts gains most, and every output joins the store."""
 
     name = "ngram"
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = NGRAM_MAX, tie: str = NGRAM_TIE,
-                 token_classes=None):
+                 token_classes=None, store: Optional[LearningStore] = None):
         self._index = NgramIndex(ngram_min=ngram_min, ngram_max=ngram_max, tie=tie)
         self._classes = token_classes      # acceptance.TokenClasses, or None
+        self.store = store
+        self._recent: list = []            # the last tokens of the history: the store's query
+        self._offered = None               # first token of this step's store offer
 
     def begin(self, history: Sequence[int], document: Optional[Sequence[int]] = None,
               sampling: Optional[SamplingParams] = None, seed: int = 0) -> None:
         self._index.truncate(0)
         self._index.append(list(history))
         self._index.set_document(list(document) if document else None)
+        if self.store is not None:
+            self.store.end_output()        # a request left unfinished by its caller
+            self._recent = list(history[-self.store.store.ngram_max:])
+            self.store.begin_output(self._recent)
 
     def features(self, limit: int) -> Optional[DraftFeatures]:
         """The continuation the matcher finds now (at most `limit` tokens), with its occurrence
@@ -103,18 +117,51 @@ class NgramProposer(Proposer):
         return DraftFeatures(tokens, "document" if source == SOURCE_DOCUMENT else "history",
                              ngram_len, n_occ, agree, breaks)
 
+    def store_features(self, limit: int) -> Optional[DraftFeatures]:
+        """The store's draft for the current context, with its continuation counts."""
+        m = self.store.store.propose(self._recent, limit) if self.store is not None else None
+        if m is None:
+            return None
+        # No line-break / sentence-end classes: a quoted source is left at those, but a past
+        # output's line breaks and punctuation are as much its pattern as its words (the
+        # JSON of tool calls, docstring sections): their prior terms cut the store's runs short.
+        return DraftFeatures(m.tokens, "store", m.ngram_len, m.n_occ, m.agree, None,
+                             self.store.trust)
+
     def offers(self, limit: int) -> list:
-        f = self.features(limit)
-        return [] if f is None else [Offer(f.source, len(f.tokens), f)]
+        found = [self.features(limit)]
+        if self.store is not None:
+            mine = self.store_features(limit)
+            # The request's own text matched over a context at least as long speaks for this
+            # request; the store competes where it knows a longer context than prompt lookup.
+            self._offered = None
+            if mine is not None and (found[0] is None or found[0].ngram_len < mine.ngram_len):
+                found.append(mine)
+                self._offered = mine.tokens[0]         # checked in accept()
+        return [Offer(f.source, len(f.tokens), f) for f in found if f is not None]
 
     def draft(self, offer: Offer, k: int) -> Proposal:
         return Proposal(list(offer.features.tokens[:k]), None, offer.source, offer.features)
 
     def accept(self, tokens: Sequence[int]) -> None:
-        self._index.append(list(tokens))
+        tokens = list(tokens)
+        self._index.append(tokens)
+        if self.store is not None:
+            if self._offered is not None and tokens:
+                self.store.checked(tokens[0] == self._offered)
+                self._offered = None
+            self.store.add(tokens)
+            self._recent = (self._recent + tokens)[-self.store.store.ngram_max:]
+
+    def end(self) -> None:
+        if self.store is not None:
+            self.store.end_output()
 
     def close(self) -> None:
         self._index.close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
 
 class DraftProposer(Proposer):
@@ -210,6 +257,9 @@ class HybridProposer(Proposer):
     def accept(self, tokens) -> None:
         self.ngram.accept(tokens)
         self.draft_model.accept(tokens)
+
+    def end(self) -> None:
+        self.ngram.end()
 
     def draft_cost(self, target: CostCurve, progress=None) -> float:
         return self.draft_model.draft_cost(target, progress)

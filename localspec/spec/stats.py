@@ -68,6 +68,11 @@ class GenerationStats:
         return max(self.reused_by_source, key=self.reused_by_source.get, default="")
 
     @property
+    def store_tokens(self) -> int:
+        """Output tokens drafted from the draft store and accepted."""
+        return self.accepted_by_source.get("store", 0)
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
@@ -107,6 +112,7 @@ class GenerationStats:
         d.update(acceptance_rate=round(self.acceptance_rate, 4),
                  mean_accepted_len=round(self.mean_accepted_len, 3),
                  decode_tokens_per_s=round(self.decode_tokens_per_s, 2),
+                 store_tokens=self.store_tokens,
                  reuse_source=self.reuse_source)
         return d
 
@@ -123,6 +129,8 @@ class GenerationStats:
                 f"steps {self.steps} ({self.spec_steps} speculative), "
                 f"accepted {self.accepted}/{self.drafted} ({100 * self.acceptance_rate:.0f}%)"
                 + (f" [{by_src}]" if by_src else "")
+                + (f", {self.store_tokens} tokens from the draft store" if self.store_tokens
+                   else "")
                 + f", {self.mean_accepted_len:.2f} tokens/step"
                 + (f", {self.rechecks} near-ties re-decided" if self.rechecks else "")
                 + (f", drafting paused {self.pauses}x (not paying)" if self.pauses else "")

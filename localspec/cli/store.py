@@ -1,0 +1,60 @@
+"""`localspec store`: what the draft store holds (stats) and emptying it (clear)."""
+
+from __future__ import annotations
+
+import datetime
+
+import click
+
+from ..catalog.models import resolve_model
+from ..spec.store import bytes_per_token, capacity_for
+from ..spec.store_file import BREAK, ENV_MB, budget_mb, clear_stores, list_stores, store_path
+from .options import COMMAND
+
+
+@click.group("store", context_settings=COMMAND)
+def store() -> None:
+    """The draft store: past outputs, one file per model under $LOCALSPEC_HOME/store, that
+    later requests draft from (faster, never different text).
+
+    Every command that generates adds its outputs unless given --no-learn (serve --http does
+    not by default). Files are readable by their owner only. The budget is
+    $LOCALSPEC_STORE_MB MB of RAM per model (default 64, about a million tokens; the file is a
+    sixteenth of that); the oldest outputs go first. LOCALSPEC_STORE_MB=0 turns it off.
+
+    \b
+    Examples:
+      localspec store stats
+      localspec store clear                  # every model's store
+      localspec store clear -m default       # one model's
+    """
+
+
+@store.command("stats")
+def stats() -> None:
+    """One line per model's store: tokens, outputs, file size, last change, path."""
+    budget = budget_mb()
+    cap = capacity_for(budget)
+    click.echo(f"budget: {budget:g} MB of RAM per model ({ENV_MB}), up to {cap:,} tokens "
+               f"({bytes_per_token():.0f} bytes a token in RAM, 4 on disk)")
+    rows = list_stores()
+    if not rows:
+        click.echo("no stores yet")
+    for path, header, tokens, why in rows:
+        if header is None:
+            click.echo(f"{path.name}: unusable ({why}); the next run rebuilds it")
+            continue
+        when = datetime.datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+        click.echo(f"{header.get('model', '?')}: {len(tokens) - int((tokens == BREAK).sum()):,} "
+                   f"tokens in {int((tokens == BREAK).sum()):,} outputs, "
+                   f"{path.stat().st_size / 1e6:.2f} MB, {when}, {path}")
+
+
+@store.command("clear")
+@click.option("-m", "--model", default=None,
+              help="Only this model's store (catalog name or .gguf path); default: all.")
+def clear(model) -> None:
+    """Delete the stored outputs (every model's, or one)."""
+    only = store_path(resolve_model(model))[0] if model else None
+    n = clear_stores(only)
+    click.echo(f"removed {n} store file{'s' if n != 1 else ''}", err=True)
