@@ -91,9 +91,10 @@ def test_greedy_speculative_equals_plain_with_no_near_tie_guard_on_smollm(smollm
 @needs_invariant
 @pytest.mark.smollm
 def test_the_engine_drops_the_near_tie_guard_on_batch_invariant_kernels(smollm):
-    with engine(smollm, "ngram") as spec:
+    chat = [{"role": "user", "content": f"Repeat exactly: {PROMPTS[0]}"}]
+    with engine(smollm, "ngram", fixed_k=4) as spec:
         assert spec.trusts_batches
-        gen = spec.generate("abcabcabcabcabcabcabcabc", max_tokens=24)
+        gen = spec.generate(chat, max_tokens=24)
         gen.complete()
         assert gen.stats.rechecks == 0 and gen.stats.accepted > 0
 
@@ -106,8 +107,8 @@ def test_seeded_sampling_gives_the_same_text_speculative_or_not_on_smollm(smollm
     plain sampling, and the batch's probabilities are the one-token decodes' bit for bit."""
     sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
     chat = [{"role": "user", "content": f"Repeat exactly, then go on: {PROMPTS[seed]}"}]
-    with engine(smollm, "none") as plain, engine(smollm, "ngram") as spec:
+    with engine(smollm, "none") as plain, engine(smollm, "ngram", fixed_k=4) as spec:
         a = plain.generate(chat, sp, max_tokens=48).complete_tokens()
         gen = spec.generate(chat, sp, max_tokens=48)
         b = gen.complete_tokens()
-    assert a == b
+    assert a == b and gen.stats.drafted > 0
