@@ -2,18 +2,18 @@
 # Sets up localspec in ./.venv (or $LOCALSPEC_VENV): builds llama-cpp-python for this host
 # (backend and flags from localspec/llama/buildflags.py: CUDA, Vulkan or Metal where the host has
 # that GPU, else CPU; no AMX crash; the decision and its reason are printed) and localspec's
-# batch-invariant copy of its ggml-cpu (patches/ applied to the same source: speculative output
-# is plain output bit for bit; docs/exactness.md), caches both per flag set so a rerun takes
-# seconds, then installs localspec with its HTTP server and test extras. pip's output goes to $VENV/install.log, never to
-# stdout; a failure prints its tail.
+# batch-invariant copy of its ggml-cpu for --exact (patches/ applied to the same source;
+# docs/exactness.md), caches both per flag set so a rerun takes seconds, then installs localspec
+# with its HTTP server and test extras. pip's output goes to $VENV/install.log, never to stdout;
+# a failure prints its tail.
 # Usage: ./install.sh            Env: PYTHON, LOCALSPEC_VENV, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS,
 #                                     LOCALSPEC_BACKEND=cpu|cuda|vulkan|metal (forces the backend;
 #                                     LOCALSPEC_CUDA=0/1 still works), LOCALSPEC_CUDA_ARCH,
 #                                     LOCALSPEC_HOME (cache),
 #                                     LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python source
 #                                     tree to build instead of PyPI's sdist: scripts/gpu_run.sh),
-#                                     LOCALSPEC_EXACT_LIBS=0 (no batch-invariant ggml-cpu: ~2 min
-#                                     less; the near-tie guard then stays on)
+#                                     LOCALSPEC_EXACT_LIBS=0 (no batch-invariant ggml-cpu for
+#                                     --exact: ~2 min less)
 set -euo pipefail
 cd "$(dirname "$0")"
 LLAMA_CPP_PYTHON=0.3.36          # keep in step with pyproject.toml
@@ -68,12 +68,13 @@ fi
 # The batch-invariant libraries, llama_cpp/lib-exact: the wheel's own with a ggml-cpu built from
 # the same sdist and flags plus localspec's patches (patches/llama-cpp-python-VERSION/,
 # docs/exactness.md): every row of a verify batch then equals a one-token decode, bit for bit.
-# Only ggml-cpu differs, so only it is compiled. Every process loads it unless LOCALSPEC_EXACT=0.
-# LOCALSPEC_EXACT_LIBS=0 skips it (llama.cpp's own kernels then, with the near-tie guard). A patch
+# Only ggml-cpu differs, so only it is compiled. --exact (LOCALSPEC_EXACT=1) loads it.
+# LOCALSPEC_EXACT_LIBS=0 skips it (--exact then refuses). A patch
 # that no longer applies stops the install with one line; a failed build warns and installs
 # without it. Runs in a subshell (quiet exits it): exit 3 means a patch did not apply.
 PATCHES=patches/llama-cpp-python-$LLAMA_CPP_PYTHON
-PKEY=$(cat "$PATCHES"/*.patch | "$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:12])')
+PKEY=$(cat "$PATCHES"/*.patch |
+  "$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:12])')
 INVARIANT="$WHEELS-invariant-$PKEY"
 build_invariant_cpu_lib() {
   src=$(mktemp -d); trap 'rm -rf "$src"' EXIT   # a subshell's globals: the trap still sees src
@@ -89,8 +90,11 @@ build_invariant_cpu_lib() {
     mv "$src"/llama_cpp_python-*/ "$src/tree"
   fi
   local p apply check
-  if command -v patch >/dev/null; then apply=(patch -p1 --forward --batch -d "$src/tree"); check=--dry-run
-  else apply=(git -C "$src/tree" apply -p1); check=--check; fi
+  if command -v patch >/dev/null; then
+    apply=(patch -p1 --forward --batch -d "$src/tree"); check=--dry-run
+  else
+    apply=(git -C "$src/tree" apply -p1); check=--check
+  fi
   for p in "$PATCHES"/*.patch; do
     if ! "${apply[@]}" "$check" < "$p" >>"$LOG" 2>&1; then
       echo "install.sh: error: $p no longer applies to llama-cpp-python $LLAMA_CPP_PYTHON's" \
@@ -126,9 +130,8 @@ elif [ "$("$VPY" localspec/llama/libs.py key)" != "$KEY-$PKEY" ]; then
     quiet "laying out llama_cpp/lib-exact" \
       "$VPY" localspec/llama/libs.py install "$INVARIANT" "$KEY-$PKEY"
   else
-    echo "install.sh: warning: localspec's batch-invariant ggml-cpu did not build; installed" \
-         "llama.cpp's own kernels (speculative output then matches plain except at near-ties," \
-         "and --exact refuses until ./install.sh builds it)." >&2
+    echo "install.sh: warning: localspec's batch-invariant ggml-cpu did not build; --exact" \
+         "refuses until ./install.sh builds it (default mode is installed)." >&2
   fi
   exec 9>&-
 fi
@@ -136,6 +139,6 @@ echo "Installing localspec and its dependencies (log: $LOG)..." >&2
 quiet "installing localspec" "$VPY" -m pip install -e ".[server,test]"
 echo "localspec installed in $VENV (llama.cpp: $("$VPY" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode().strip())'))" >&2
 if [ -n "$("$VPY" localspec/llama/libs.py key)" ]; then
-  echo "localspec loads by default: $(LOCALSPEC_EXACT=1 "$VPY" -c 'from localspec import llama
+  echo "--exact loads: $(LOCALSPEC_EXACT=1 "$VPY" -c 'from localspec import llama
 llama.enable_exact_kernels(); print(llama.system_info())' 2>&1 | tail -n 1)" >&2
 fi

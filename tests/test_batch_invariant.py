@@ -1,8 +1,9 @@
-"""Lossless by default: on the CPU, with localspec's patched ggml-cpu (llama_cpp/lib-exact, which
-every process loads unless LOCALSPEC_EXACT=0), every row of a verify batch is bit-identical to a
-one-token decode, so speculative output is plain output token for token with no near-tie guard,
-greedy or seeded (docs/exactness.md). The default model's checks run with LOCALSPEC_TEST_QWEN=1.
-These tests fail rather than skip when the patched library is missing and CI is set."""
+"""--exact: on the CPU, with localspec's patched ggml-cpu (llama_cpp/lib-exact), every row of a
+verify batch is bit-identical to a one-token decode, so speculative output is plain output token
+for token with no near-tie guard, greedy or seeded (docs/exactness.md). The choice of libraries is
+per process: these tests skip in a process that loaded llama.cpp's own (the default), and
+tests/test_exact_libs.py runs them in one that loaded the patched copy (LOCALSPEC_EXACT=1). The
+default model's checks run with LOCALSPEC_TEST_QWEN=1."""
 
 from __future__ import annotations
 
@@ -20,9 +21,8 @@ from test_speculative import PROMPTS, assert_greedy_lossless, engine
 
 INVARIANT = batch_invariant_rows() > 0
 needs_invariant = pytest.mark.skipif(
-    not INVARIANT and not os.environ.get("CI"),
-    reason="this process loaded llama.cpp's own libraries (LOCALSPEC_EXACT=0, or ./install.sh "
-           "ran with LOCALSPEC_EXACT_LIBS=0)")
+    not INVARIANT, reason="this process loaded llama.cpp's own libraries (tests/test_exact_libs.py "
+                          "reruns these with LOCALSPEC_EXACT=1)")
 needs_qwen = pytest.mark.skipif(not os.environ.get("LOCALSPEC_TEST_QWEN"),
                                 reason="the default model (1 GB) runs when LOCALSPEC_TEST_QWEN=1")
 TEXT = "Speculative decoding verifies many drafted tokens at once, then keeps the longest " \
@@ -50,10 +50,8 @@ def every_row_mismatch(path, n_prompt: int, threads: int) -> list:
         return bad
 
 
+@needs_invariant
 def test_the_patched_library_says_how_many_rows_it_keeps_invariant():
-    if not INVARIANT:
-        assert not os.environ.get("CI"), f"CI without the batch-invariant ggml-cpu: {system_info()}"
-        pytest.skip("llama.cpp's own libraries")
     assert batch_invariant_rows() > K_LIMIT + 1          # the largest verify batch fits
     assert "LLAMAFILE = 1" in system_info()              # prefill keeps tinyBLAS
 

@@ -1,6 +1,7 @@
-"""The two library sets: llama-cpp-python's own build, and the copy whose ggml-cpu carries
-localspec's batch-invariant patches (llama_cpp/lib-exact), which every process loads unless
-LOCALSPEC_EXACT=0. The choice is per process, so the checks of each set run in child processes."""
+"""The two library sets: llama-cpp-python's own build for speed, and the copy whose ggml-cpu
+carries localspec's batch-invariant patches (llama_cpp/lib-exact), which processes asking for
+--exact load instead. The choice is per process, so the checks that need the patched copy run in
+child processes."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ def test_exact_request_words_follow_the_cli_flag_env_var():
     assert libs.exact_requested({}) is None                              # the default
 
 
-def test_choose_points_every_process_but_opted_out_ones_at_the_invariant_folder(tmp_path):
+def test_choose_points_only_exact_processes_at_the_invariant_folder(tmp_path):
     (tmp_path / "libllama.so.0.5.0").write_bytes(b"")
     env = {"LOCALSPEC_EXACT_LIB": str(tmp_path)}
     assert libs.choose(False, env) == "llama.cpp's own libraries" and "LLAMA_CPP_LIB_PATH" not in env
     assert libs.choose(True, env) == f"the batch-invariant libraries in {tmp_path}"
     assert env["LLAMA_CPP_LIB_PATH"] == str(tmp_path)
     default = {"LOCALSPEC_EXACT_LIB": str(tmp_path)}
-    assert libs.INVARIANT_BY_DEFAULT and "batch-invariant" in libs.choose(None, default)
+    assert libs.choose(None, default) == libs.choose(libs.INVARIANT_BY_DEFAULT, {})
     mine = {"LOCALSPEC_EXACT_LIB": str(tmp_path), "LLAMA_CPP_LIB_PATH": "/opt/mine"}
     assert "/opt/mine" in libs.choose(True, mine)
     assert mine["LLAMA_CPP_LIB_PATH"] == "/opt/mine"           # the user's choice wins
@@ -98,11 +99,11 @@ needs_exact_libs = pytest.mark.skipif(
 
 
 @needs_exact_libs
-def test_a_default_process_loads_the_same_build_with_the_batch_invariant_patches():
-    default = run_python(FEATURES + "; print(llama.library_account())")
+def test_an_exact_process_loads_the_same_build_with_the_batch_invariant_patches():
+    exact = run_python(FEATURES + "; print(llama.library_account())", LOCALSPEC_EXACT="1")
     upstream = run_python(FEATURES, LOCALSPEC_EXACT="0")
-    assert default.returncode == 0 and upstream.returncode == 0, default.stderr + upstream.stderr
-    features, account = default.stdout.strip().splitlines()
+    assert exact.returncode == 0 and upstream.returncode == 0, exact.stderr + upstream.stderr
+    features, account = exact.stdout.strip().splitlines()
     assert "BATCH_INVARIANT = 32" in features and "LLAMAFILE = 1" in features, features
     assert account.startswith("the batch-invariant libraries in")
     # Same instruction sets, tinyBLAS, repacking and threading: only the patches differ.
@@ -115,6 +116,22 @@ def test_exact_after_llama_cpps_own_libraries_loaded_is_one_clear_error():
                       "llama.system_info()\ntry:\n    llama.enable_exact_kernels()\n"
                       "except LocalspecError as e:\n    print(e)", LOCALSPEC_EXACT="0")
     assert "before this process first uses llama.cpp" in late.stdout, late.stderr
+
+
+@needs_exact_libs
+def test_batch_invariance_tests_pass_in_an_exact_process():
+    """tests/test_batch_invariant.py in a process that loaded the patched libraries (this one
+    loaded llama.cpp's own, as users do by default): every row, greedy and seeded identity."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          "tests/test_batch_invariant.py"],
+                         capture_output=True, text=True, env=child_env(LOCALSPEC_EXACT="1"),
+                         cwd=ROOT, timeout=1800)
+    tail = out.stdout[-2000:]
+    assert out.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", tail)
+    assert passed and int(passed.group(1)) >= 9, tail
+    skipped = re.findall(r"SKIPPED \[\d+\] [^\n]*", tail)
+    assert all("LOCALSPEC_TEST_QWEN" in s for s in skipped), tail  # only the 1 GB model's
 
 
 @needs_exact_libs

@@ -264,9 +264,9 @@ def batch_invariant_rows() -> int:
 def enable_exact_kernels() -> None:
     """Make sure this process decodes on batch-invariant CPU kernels: a verify batch then computes
     bit-identical logits to one-token decoding. They are localspec's patched ggml-cpu
-    (llama_cpp/lib-exact, which install.sh builds and every process loads by default unless
-    LOCALSPEC_EXACT=0); weight repacking and the tiled matmul stay on. Flash attention must stay
-    off (localspec's default): its one-row split-KV path depends on the thread count.
+    (llama_cpp/lib-exact, which install.sh builds; loaded here if this is the process's first use
+    of llama.cpp); weight repacking stays on. Flash attention must stay off (localspec's
+    default): its one-row split-KV path depends on the thread count.
     Measured: max |diff| 0 on every row of batches of 2..17 tokens (SmolLM2 Q4_1, Qwen Q4_K_M
     repacked; tests/test_batch_invariant.py)."""
     first_use = isinstance(C, _NotLoaded)

@@ -1,8 +1,9 @@
 """Which llama.cpp shared libraries this process loads: llama-cpp-python's own build, or the copy
 ./install.sh lays beside it (llama_cpp/lib-exact) whose ggml-cpu carries localspec's patches
 (patches/, docs/exactness.md): batches of up to 31 rows compute every row as a one-token decode
-does, so speculative output is plain output bit for bit. That copy is the default
-(INVARIANT_BY_DEFAULT); LOCALSPEC_EXACT=0 opts out, LOCALSPEC_EXACT=1 (`--exact`) requires it.
+does, so speculative output is plain output bit for bit. Processes that ask for it load it
+(LOCALSPEC_EXACT=1, `--exact`); the rest load llama.cpp's own (INVARIANT_BY_DEFAULT is False: on
+the Zen 4 the patched kernels cost code edits ~15%, over the 3% a default may cost).
 
 llama-cpp-python loads its libraries once, at `import llama_cpp`, from LLAMA_CPP_LIB_PATH if set;
 so the choice is made once per process, before that import (llama/backend.py asks here first).
@@ -25,12 +26,12 @@ KEY_FILE = ".localspec-key"      # the build key (install.sh's flag-set hash) it
 CPU_LIB = "libggml-cpu"          # the one library that differs: the patches touch only ggml-cpu
 TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")   # what click accepts for LOCALSPEC_EXACT
 FALSE_WORDS = ("0", "false", "f", "no", "n", "off")
-INVARIANT_BY_DEFAULT = True      # measured within 3% decode-side, 2% prefill: docs/exactness.md
+INVARIANT_BY_DEFAULT = False     # code-edit 0.84x on the Zen 4 (docs/exactness.md): opt-in
 
 
 def exact_requested(environ=os.environ) -> Optional[bool]:
-    """LOCALSPEC_EXACT (the CLI's --exact env var): True requires the batch-invariant libraries,
-    False opts out of them, None (unset) takes the default."""
+    """LOCALSPEC_EXACT (the CLI's --exact env var): True asks for the batch-invariant libraries,
+    False for llama.cpp's own, None (unset) takes INVARIANT_BY_DEFAULT."""
     word = environ.get("LOCALSPEC_EXACT", "").strip().lower()
     return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
