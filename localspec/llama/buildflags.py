@@ -29,7 +29,7 @@ llamafile's tinyBLAS stays on (llama.cpp's default): without it prefill ran 0.94
 EPYC (docs/build.md). Upstream it serves batches of 2+ rows, so a verify batch computed different
 logits from one-token decoding; install.sh builds a second ggml-cpu with these same flags plus
 localspec's patches (patches/, docs/exactness.md: tinyBLAS and the tiled matmul from 32 rows, the
-repacked Q4_K gemm rounding as its gemv does), which every process loads by default.
+repacked Q4_K gemm rounding as its gemv does), which `--exact` loads.
 ggml's RPC backend is built everywhere (GGML_RPC=ON): `--rpc` spreads a model's layers over
 `localspec rpc-server` processes on other hosts, and that server comes from this same build.
 
