@@ -91,7 +91,7 @@ def model_options(default_proposer: str = "ngram"):
                          help="Batch-invariant CPU kernels: speculative output is bit-for-bit "
                               "plain decoding's. Loads localspec's patched ggml-cpu (install.sh "
                               "builds it; docs/exactness.md): prefill at full speed, code edits "
-                              "~15% slower on a Zen 4. Without it, one error line. "
+                              "7-17% slower on a Zen 4. Without it, one error line. "
                               "Env: LOCALSPEC_EXACT=1."),
             click.option("--ctx", "n_ctx", type=click.IntRange(64), default=ENGINE.n_ctx,
                          show_default=True, help="Context size in tokens (prompt + output)."),

@@ -3,7 +3,7 @@
 (patches/, docs/exactness.md): batches of up to 31 rows compute every row as a one-token decode
 does, so speculative output is plain output bit for bit. Processes that ask for it load it
 (LOCALSPEC_EXACT=1, `--exact`); the rest load llama.cpp's own (INVARIANT_BY_DEFAULT is False: on
-the Zen 4 the patched kernels cost code edits ~15%, over the 3% a default may cost).
+the Zen 4 the patched kernels cost code edits 7-17%, over the 3% a default may cost).
 
 llama-cpp-python loads its libraries once, at `import llama_cpp`, from LLAMA_CPP_LIB_PATH if set;
 so the choice is made once per process, before that import (llama/backend.py asks here first).
@@ -26,7 +26,7 @@ KEY_FILE = ".localspec-key"      # the build key (install.sh's flag-set hash) it
 CPU_LIB = "libggml-cpu"          # the one library that differs: the patches touch only ggml-cpu
 TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")   # what click accepts for LOCALSPEC_EXACT
 FALSE_WORDS = ("0", "false", "f", "no", "n", "off")
-INVARIANT_BY_DEFAULT = False     # code-edit 0.84x on the Zen 4 (docs/exactness.md): opt-in
+INVARIANT_BY_DEFAULT = False     # code edits 0.83-0.93x on the Zen 4 (docs/exactness.md)
 
 
 def exact_requested(environ=os.environ) -> Optional[bool]:
