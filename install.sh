@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Sets up localspec in ./.venv (or $LOCALSPEC_VENV): builds llama-cpp-python for this host
 # (backend and flags from localspec/llama/buildflags.py: CUDA, Vulkan or Metal where the host has
-# that GPU, else CPU; no AMX crash; the decision and its reason are printed) and the copy of its
-# libraries that --exact loads, caches both per flag set so a rerun takes seconds, then installs
-# localspec with its HTTP server and test extras. pip's output goes to $VENV/install.log, never to
-# stdout; a failure prints its tail.
+# that GPU, else CPU; no AMX crash; the decision and its reason are printed) and localspec's
+# batch-invariant copy of its ggml-cpu for --exact (patches/ applied to the same source;
+# docs/exactness.md), caches both per flag set so a rerun takes seconds, then installs localspec
+# with its HTTP server and test extras. pip's output goes to $VENV/install.log, never to stdout;
+# a failure prints its tail.
 # Usage: ./install.sh            Env: PYTHON, LOCALSPEC_VENV, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS,
 #                                     LOCALSPEC_BACKEND=cpu|cuda|vulkan|metal (forces the backend;
 #                                     LOCALSPEC_CUDA=0/1 still works), LOCALSPEC_CUDA_ARCH,
 #                                     LOCALSPEC_HOME (cache),
 #                                     LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python source
 #                                     tree to build instead of PyPI's sdist: scripts/gpu_run.sh),
-#                                     LOCALSPEC_EXACT_LIBS=0 (no --exact libraries: ~2 min less)
+#                                     LOCALSPEC_EXACT_LIBS=0 (no batch-invariant ggml-cpu for
+#                                     --exact: ~2 min less)
 set -euo pipefail
 cd "$(dirname "$0")"
 LLAMA_CPP_PYTHON=0.3.36          # keep in step with pyproject.toml
@@ -63,49 +65,73 @@ if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
     "$VPY" -m pip install --no-deps --force-reinstall "$WHEELS"/llama_cpp_python-*.whl
   echo "$KEY" > "$VENV/.llama-build-key"
 fi
-# --exact's libraries, llama_cpp/lib-exact: the wheel's own with a ggml-cpu built without
-# llamafile's tinyBLAS (docs/build.md). Only ggml-cpu differs (GGML_USE_LLAMAFILE is private to it),
-# so only it is compiled, from the same sdist and flags. LOCALSPEC_EXACT_LIBS=0 skips it (--exact
-# then refuses).
-# Runs in a subshell: a failure (quiet exits) leaves default mode installed, with a warning.
-build_exact_cpu_lib() {
+# The batch-invariant libraries, llama_cpp/lib-exact: the wheel's own with a ggml-cpu built from
+# the same sdist and flags plus localspec's patches (patches/llama-cpp-python-VERSION/,
+# docs/exactness.md): every row of a verify batch then equals a one-token decode, bit for bit.
+# Only ggml-cpu differs, so only it is compiled. --exact (LOCALSPEC_EXACT=1) loads it.
+# LOCALSPEC_EXACT_LIBS=0 skips it (--exact then refuses). A patch
+# that no longer applies stops the install with one line; a failed build warns and installs
+# without it. Runs in a subshell (quiet exits it): exit 3 means a patch did not apply.
+PATCHES=patches/llama-cpp-python-$LLAMA_CPP_PYTHON
+PKEY=$(cat "$PATCHES"/*.patch |
+  "$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:12])')
+INVARIANT="$WHEELS-invariant-$PKEY"
+build_invariant_cpu_lib() {
   src=$(mktemp -d); trap 'rm -rf "$src"' EXIT   # a subshell's globals: the trap still sees src
-  local args; args=$("$VPY" localspec/llama/buildflags.py --exact)
-  echo "Building ggml-cpu without llamafile for --exact (~2 min on 2 cores) with: $args" >&2
+  echo "Building localspec's batch-invariant ggml-cpu (~2 min on 2 cores)..." >&2
   command -v cmake >/dev/null || quiet "installing cmake" "$VPY" -m pip install cmake
-  local tree=${LOCALSPEC_LLAMA_SRC:-}            # the wheel's own source tree when one was given
-  if [ -z "$tree" ]; then
+  if [ -n "${LOCALSPEC_LLAMA_SRC:-}" ]; then      # the wheel's own source tree: patch a copy
+    quiet "copying the llama-cpp-python source" cp -a "$LOCALSPEC_LLAMA_SRC" "$src/tree"
+  else
     quiet "downloading the llama-cpp-python source" "$VPY" -m pip download --no-deps \
       --no-cache-dir -d "$src" "llama-cpp-python==$LLAMA_CPP_PYTHON"
     quiet "unpacking the llama-cpp-python source" \
       tar -xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
-    tree=$(echo "$src"/llama_cpp_python-*/)
+    mv "$src"/llama_cpp_python-*/ "$src/tree"
   fi
-  # shellcheck disable=SC2086  # args is a list of -D flags
-  quiet "configuring ggml-cpu without llamafile" cmake -S "$tree" -B "$src/build" \
-    -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD=OFF $args
-  quiet "building ggml-cpu without llamafile" cmake --build "$src/build" --target ggml-cpu \
+  local p apply check
+  if command -v patch >/dev/null; then
+    apply=(patch -p1 --forward --batch -d "$src/tree"); check=--dry-run
+  else
+    apply=(git -C "$src/tree" apply -p1); check=--check
+  fi
+  for p in "$PATCHES"/*.patch; do
+    if ! "${apply[@]}" "$check" < "$p" >>"$LOG" 2>&1; then
+      echo "install.sh: error: $p no longer applies to llama-cpp-python $LLAMA_CPP_PYTHON's" \
+           "source; refresh patches/ (docs/exactness.md) or install with LOCALSPEC_EXACT_LIBS=0." >&2
+      exit 3
+    fi
+    quiet "applying $p" "${apply[@]}" < "$p"
+  done
+  # shellcheck disable=SC2086  # ARGS is a list of -D flags
+  quiet "configuring the batch-invariant ggml-cpu" cmake -S "$src/tree" -B "$src/build" \
+    -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD=OFF $ARGS
+  quiet "building the batch-invariant ggml-cpu" cmake --build "$src/build" --target ggml-cpu \
     -j "$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)"
-  rm -rf "$WHEELS-exact.tmp" && mkdir -p "$WHEELS-exact.tmp"
+  rm -rf "$INVARIANT.tmp" && mkdir -p "$INVARIANT.tmp"
   find "$src/build" -name 'libggml-cpu*' \( -type f -o -type l \) \
-    -exec cp -a {} "$WHEELS-exact.tmp/" \;
-  ls "$WHEELS-exact.tmp"/libggml-cpu* >/dev/null &&
-    rm -rf "$WHEELS-exact" && mv "$WHEELS-exact.tmp" "$WHEELS-exact"
+    -exec cp -a {} "$INVARIANT.tmp/" \;
+  ls "$INVARIANT.tmp"/libggml-cpu* >/dev/null &&
+    rm -rf "$INVARIANT" && mv "$INVARIANT.tmp" "$INVARIANT"
 }
 if [ "${LOCALSPEC_EXACT_LIBS:-1}" = 0 ]; then
   "$VPY" localspec/llama/libs.py remove
-elif [ "$("$VPY" localspec/llama/libs.py key)" != "$KEY" ]; then
+elif [ "$("$VPY" localspec/llama/libs.py key)" != "$KEY-$PKEY" ]; then
   exec 9>"$WHEELS.lock"
   if command -v flock >/dev/null && ! flock -n 9; then
-    echo "Waiting for another install.sh to finish building ggml-cpu for --exact..." >&2
+    echo "Waiting for another install.sh to finish building the batch-invariant ggml-cpu..." >&2
     flock 9
   fi
-  if ls "$WHEELS-exact"/libggml-cpu* >/dev/null 2>&1 ||
-     (PATH="$(cd "$VENV" && pwd)/bin:$PATH" build_exact_cpu_lib); then
-    quiet "laying out llama_cpp/lib-exact" "$VPY" localspec/llama/libs.py install "$WHEELS-exact" "$KEY"
+  built=0
+  ls "$INVARIANT"/libggml-cpu* >/dev/null 2>&1 ||
+    (PATH="$(cd "$VENV" && pwd)/bin:$PATH" build_invariant_cpu_lib) || built=$?
+  [ "$built" = 3 ] && exit 1
+  if [ "$built" = 0 ]; then
+    quiet "laying out llama_cpp/lib-exact" \
+      "$VPY" localspec/llama/libs.py install "$INVARIANT" "$KEY-$PKEY"
   else
-    echo "install.sh: warning: --exact is unavailable until ./install.sh builds its libraries;" \
-         "default mode is installed." >&2
+    echo "install.sh: warning: localspec's batch-invariant ggml-cpu did not build; --exact" \
+         "refuses until ./install.sh builds it (default mode is installed)." >&2
   fi
   exec 9>&-
 fi

@@ -1,6 +1,7 @@
-"""The two library sets: the default build (llamafile on) for speed, and the llamafile-free copy
-that processes asking for --exact load instead. The choice is per process, so the checks that
-need the exact copy run in child processes."""
+"""The two library sets: llama-cpp-python's own build for speed, and the copy whose ggml-cpu
+carries localspec's batch-invariant patches (llama_cpp/lib-exact), which processes asking for
+--exact load instead. The choice is per process, so the checks that need the patched copy run in
+child processes."""
 
 from __future__ import annotations
 
@@ -20,23 +21,25 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_exact_request_words_follow_the_cli_flag_env_var():
     assert libs.exact_requested({"LOCALSPEC_EXACT": "1"})
     assert libs.exact_requested({"LOCALSPEC_EXACT": " Yes "})
-    assert not libs.exact_requested({"LOCALSPEC_EXACT": "0"})
-    assert not libs.exact_requested({})
+    assert libs.exact_requested({"LOCALSPEC_EXACT": "0"}) is False      # opts out
+    assert libs.exact_requested({}) is None                              # the default
 
 
-def test_choose_points_only_exact_processes_at_the_exact_folder(tmp_path):
+def test_choose_points_only_exact_processes_at_the_invariant_folder(tmp_path):
     (tmp_path / "libllama.so.0.5.0").write_bytes(b"")
     env = {"LOCALSPEC_EXACT_LIB": str(tmp_path)}
-    assert libs.choose(False, env) == "the default libraries" and "LLAMA_CPP_LIB_PATH" not in env
-    assert libs.choose(True, env) == f"the llamafile-free libraries in {tmp_path}"
+    assert libs.choose(False, env) == "llama.cpp's own libraries" and "LLAMA_CPP_LIB_PATH" not in env
+    assert libs.choose(True, env) == f"the batch-invariant libraries in {tmp_path}"
     assert env["LLAMA_CPP_LIB_PATH"] == str(tmp_path)
+    default = {"LOCALSPEC_EXACT_LIB": str(tmp_path)}
+    assert libs.choose(None, default) == libs.choose(libs.INVARIANT_BY_DEFAULT, {})
     mine = {"LOCALSPEC_EXACT_LIB": str(tmp_path), "LLAMA_CPP_LIB_PATH": "/opt/mine"}
     assert "/opt/mine" in libs.choose(True, mine)
     assert mine["LLAMA_CPP_LIB_PATH"] == "/opt/mine"           # the user's choice wins
-    # Nothing usable: the default libraries, and the account says why (the error quotes it).
+    # Nothing usable: llama.cpp's own, and the account says why (the error quotes it).
     empty = {"LOCALSPEC_EXACT_LIB": str(tmp_path / "nothing-here")}
     account = libs.choose(True, empty)
-    assert account.startswith("the default libraries (") and "nothing-here" in account
+    assert account.startswith("llama.cpp's own libraries (") and "nothing-here" in account
     assert "LLAMA_CPP_LIB_PATH" not in empty
 
 
@@ -53,7 +56,7 @@ def test_install_exact_swaps_only_ggml_cpu_and_notices_a_reinstalled_wheel(tmp_p
     lib, cpu = tmp_path / "llama_cpp" / "lib", tmp_path / "exact-cpu"
     fake_wheel_libs(lib)
     cpu.mkdir()
-    (cpu / "libggml-cpu.so.0.25.3").write_bytes(b"libggml-cpu without llamafile")
+    (cpu / "libggml-cpu.so.0.25.3").write_bytes(b"libggml-cpu patched")
     (cpu / "libggml-cpu.so.0").symlink_to("libggml-cpu.so.0.25.3")
     monkeypatch.setattr(libs, "package_lib_dir", lambda: lib)
     monkeypatch.delenv("LOCALSPEC_EXACT_LIB", raising=False)
@@ -62,7 +65,7 @@ def test_install_exact_swaps_only_ggml_cpu_and_notices_a_reinstalled_wheel(tmp_p
     assert problem == f"{folder} is missing"
     made = libs.install_exact(lib, cpu, "key123")
     assert made == folder == lib.parent / "lib-exact" and libs.installed_key() == "key123"
-    assert (made / "libggml-cpu.so.0").read_bytes() == b"libggml-cpu without llamafile"
+    assert (made / "libggml-cpu.so.0").read_bytes() == b"libggml-cpu patched"
     assert (made / "libllama.so").read_bytes() == b"libllama with llamafile"   # links resolve here
     assert (made / "libggml.so.0.25.3").samefile(lib / "libggml.so.0.25.3")   # hard link: no copy
     assert (lib / "libggml-cpu.so").read_bytes() == b"libggml-cpu with llamafile"  # wheel untouched
@@ -96,29 +99,43 @@ needs_exact_libs = pytest.mark.skipif(
 
 
 @needs_exact_libs
-def test_exact_process_loads_the_same_build_without_llamafile():
-    default = run_python(FEATURES)
-    exact = run_python("from localspec import llama\nllama.enable_exact_kernels()\n"
-                       "print(llama.system_info()); print(llama.library_account())")
-    assert default.returncode == 0 and exact.returncode == 0, default.stderr + exact.stderr
+def test_an_exact_process_loads_the_same_build_with_the_batch_invariant_patches():
+    exact = run_python(FEATURES + "; print(llama.library_account())", LOCALSPEC_EXACT="1")
+    upstream = run_python(FEATURES, LOCALSPEC_EXACT="0")
+    assert exact.returncode == 0 and upstream.returncode == 0, exact.stderr + upstream.stderr
     features, account = exact.stdout.strip().splitlines()
-    assert "LLAMAFILE" not in features and account.startswith("the llamafile-free libraries in")
-    # Same instruction sets, repacking and threading: only tinyBLAS is gone.
-    assert features == re.sub(r" LLAMAFILE = 1 \|", "", default.stdout.strip())
+    assert "BATCH_INVARIANT = 32" in features and "LLAMAFILE = 1" in features, features
+    assert account.startswith("the batch-invariant libraries in")
+    # Same instruction sets, tinyBLAS, repacking and threading: only the patches differ.
+    assert re.sub(r" BATCH_INVARIANT = \d+ \|", "", features) == upstream.stdout.strip()
 
 
 @needs_exact_libs
-def test_exact_after_the_default_libraries_loaded_is_one_clear_error():
-    if "LLAMAFILE" not in run_python(FEATURES).stdout:
-        pytest.skip("this build has no llamafile: exact mode never needs the other libraries")
+def test_exact_after_llama_cpps_own_libraries_loaded_is_one_clear_error():
     late = run_python("from localspec import llama\nfrom localspec.errors import LocalspecError\n"
                       "llama.system_info()\ntry:\n    llama.enable_exact_kernels()\n"
-                      "except LocalspecError as e:\n    print(e)")
+                      "except LocalspecError as e:\n    print(e)", LOCALSPEC_EXACT="0")
     assert "before this process first uses llama.cpp" in late.stdout, late.stderr
 
 
 @needs_exact_libs
-def test_cli_exact_flag_loads_the_exact_libraries(tiny_path):
+def test_batch_invariance_tests_pass_in_an_exact_process():
+    """tests/test_batch_invariant.py in a process that loaded the patched libraries (this one
+    loaded llama.cpp's own, as users do by default): every row, greedy and seeded identity."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          "tests/test_batch_invariant.py"],
+                         capture_output=True, text=True, env=child_env(LOCALSPEC_EXACT="1"),
+                         cwd=ROOT, timeout=1800)
+    tail = out.stdout[-2000:]
+    assert out.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", tail)
+    assert passed and int(passed.group(1)) >= 9, tail
+    skipped = re.findall(r"SKIPPED \[\d+\] [^\n]*", tail)
+    assert all("LOCALSPEC_TEST_QWEN" in s for s in skipped), tail  # only the 1 GB model's
+
+
+@needs_exact_libs
+def test_cli_exact_flag_loads_the_batch_invariant_libraries(tiny_path):
     """--exact on the command line (not only the env var) is seen before llama.cpp is loaded."""
     out = subprocess.run([sys.executable, "-m", "localspec", "generate", "-m", str(tiny_path),
                           "--exact", "--proposer", "ngram", "-n", "8", "abcabcabc"],
@@ -127,34 +144,14 @@ def test_cli_exact_flag_loads_the_exact_libraries(tiny_path):
     assert out.stdout
 
 
-@needs_exact_libs
-def test_exact_mode_tests_pass_in_an_exact_process():
-    """tests/test_speculative.py's bit-for-bit checks of --exact, and the engine-state and
-    prompt-cache tests that demand bit-identical logits across batch splits, in a process that
-    loaded the llamafile-free libraries (this one loaded the default ones, as users do)."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                          "tests/test_speculative.py", "tests/test_engine_state.py",
-                          "tests/test_prompt_cache.py",
-                          "-k", "exact_mode or test_engine_state or test_prompt_cache"],
-                         capture_output=True, text=True, env=child_env(LOCALSPEC_EXACT="1"),
-                         cwd=ROOT, timeout=1800)
-    tail = out.stdout[-2000:]
-    assert out.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", tail)
-    assert passed and int(passed.group(1)) >= 30, tail
-    assert "skipped" not in tail, tail                          # none skipped for the build
-
-
 def test_exact_without_its_libraries_is_one_error_line(tiny_path, tmp_path):
-    """No silent fallback: a process asking for --exact that cannot load llamafile-free
+    """No silent fallback: a process asking for --exact that cannot load the batch-invariant
     libraries stops with one line naming why, before generating anything."""
-    if "LLAMAFILE" not in run_python(FEATURES).stdout:
-        pytest.skip("this build has no llamafile: its default libraries are exact-capable")
     out = subprocess.run([sys.executable, "-m", "localspec", "generate", "-m", str(tiny_path),
                           "--exact", "-n", "4", "abc"], capture_output=True, text=True,
                          env=child_env(LOCALSPEC_EXACT_LIB=str(tmp_path)), cwd=ROOT, timeout=600)
     assert out.returncode == 1 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --exact needs llama.cpp's libraries"), \
+    assert len(lines) == 1 and lines[0].startswith("error: --exact needs localspec's batch-"), \
         out.stderr
     assert f"{tmp_path} holds no libllama" in lines[0]

@@ -116,48 +116,6 @@ def test_greedy_speculative_equals_plain_on_smollm(smollm):
           f"divergences (position, top-2 gap): {[(d, round(g, 3)) for _, d, g in diverged]}")
 
 
-def exact_mode_available():
-    from localspec.llama import system_info
-
-    return "LLAMAFILE" not in system_info()
-
-
-# ./install.sh's default libraries have llamafile; tests/test_exact_libs.py runs these tests again in
-# a process that loaded the llamafile-free copy (LOCALSPEC_EXACT=1).
-needs_exact_build = pytest.mark.skipif(not exact_mode_available(),
-                                       reason="this process loaded llama.cpp with llamafile")
-
-
-@needs_exact_build
-@pytest.mark.parametrize("which", ["tiny", "smollm"])
-def test_exact_mode_batch_rows_equal_one_token_decodes_bit_for_bit(which, request):
-    """The --exact configuration: row i of a batch of k+1 tokens is bit-identical to decoding
-    those tokens one at a time, for every k the policy may choose."""
-    from localspec.llama import Model, ModelParams, enable_exact_kernels
-
-    enable_exact_kernels()
-    path = request.getfixturevalue("tiny_path" if which == "tiny" else "smollm_path")
-    with Model(path, ModelParams(use_extra_bufts=False)) as model, \
-            Context(model, ContextParams(n_ctx=1024, n_threads=2)) as ctx:
-        prompt = model.tokenize("Speculative decoding verifies many drafted tokens at once. " * 6)
-        ctx.decode(prompt, logits="none")
-        base = ctx.n_past
-        cont = [(97 * i + 11) % model.n_vocab for i in range(17)]
-        single = np.stack([ctx.decode([t], logits="last")[0].copy() for t in cont])
-        for k in range(1, 17):
-            ctx.truncate(base)
-            batch = ctx.decode(cont[: k + 1], logits="all").copy()
-            assert np.array_equal(batch, single[: k + 1]), f"k={k}"
-
-
-@needs_exact_build
-@pytest.mark.smollm
-def test_exact_mode_greedy_is_token_identical_on_smollm(smollm):
-    chats = [[{"role": "user", "content": f"Repeat exactly: {p}"}] for p in PROMPTS]
-    diverged = assert_greedy_lossless(smollm, chats, max_tokens=40, fixed_k=None, exact=True)
-    assert diverged == []
-
-
 def test_speculation_actually_accepts_drafts_on_repeating_text(tiny_model):
     # Guard off: the tiny model's random logits are full of near-ties it would re-decide.
     with engine(tiny_model, "ngram", fixed_k=4, tie_margin=0) as spec:

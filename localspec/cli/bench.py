@@ -62,9 +62,9 @@ def _csv(_ctx, _param, value):
               help="Layers on these `localspec rpc-server`s, for every mode and the peer (all "
                    "layers unless --gpu-layers says how many).")
 @click.option("--exact", is_flag=True, envvar="LOCALSPEC_EXACT",
-              help="Batch-invariant CPU kernels for our modes (no weight repacking, llama.cpp "
-                   "without llamafile's tinyBLAS): speculative output is then plain output bit "
-                   "for bit, at some speed. The peer runs on the same libraries. "
+              help="Batch-invariant CPU kernels for our modes (localspec's patched ggml-cpu, "
+                   "docs/exactness.md): speculative output is then plain output bit for bit, "
+                   "at some speed. The peer runs on the same libraries. "
                    "Env: LOCALSPEC_EXACT=1.")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
               help="Run every case this many times in every mode, the mode order reversed each "

@@ -89,9 +89,10 @@ def model_options(default_proposer: str = "ngram"):
                               "acceptance)."),
             click.option("--exact", is_flag=True, envvar="LOCALSPEC_EXACT",
                          help="Batch-invariant CPU kernels: speculative output is bit-for-bit "
-                              "plain decoding's, at the cost of weight repacking (~20-40% slower). "
-                              "Loads llama.cpp's libraries without llamafile (install.sh builds "
-                              "them). Env: LOCALSPEC_EXACT=1."),
+                              "plain decoding's. Loads localspec's patched ggml-cpu (install.sh "
+                              "builds it; docs/exactness.md): prefill at full speed, code edits "
+                              "7-17% slower on a Zen 4. Without it, one error line. "
+                              "Env: LOCALSPEC_EXACT=1."),
             click.option("--ctx", "n_ctx", type=click.IntRange(64), default=ENGINE.n_ctx,
                          show_default=True, help="Context size in tokens (prompt + output)."),
             click.option("--threads", type=click.IntRange(1), default=None,

@@ -253,27 +253,31 @@ def check_offload(n_gpu_layers: int) -> None:
 _state = {"decoded": False}
 
 
+def batch_invariant_rows() -> int:
+    """How many rows a batch may have and still compute every row bit-identically to a one-token
+    decode on the CPU (the BATCH_INVARIANT feature of localspec's patched ggml-cpu, install.sh's
+    llama_cpp/lib-exact; docs/exactness.md); 0 for llama.cpp's own libraries."""
+    found = re.search(r"BATCH_INVARIANT = (\d+)", system_info())
+    return int(found.group(1)) if found else 0
+
+
 def enable_exact_kernels() -> None:
-    """Make CPU decoding batch-invariant: a verify batch then computes bit-identical logits to
-    one-token decoding. Needs llama.cpp without llamafile's tinyBLAS (the lib-exact copy that
-    install.sh builds, loaded here if this is the process's first use of llama.cpp) and models
-    loaded with use_extra_bufts=False (no repacking) and flash attention off; this turns off
-    ggml's tiled K-quant matmul, which ggml reads once per process, so it must run before any
-    decode.
-    Measured: max |diff| 0 on every row of batches of 2..17 tokens (SmolLM2 Q4_1, Qwen Q4_K_M).
-    """
+    """Make sure this process decodes on batch-invariant CPU kernels: a verify batch then computes
+    bit-identical logits to one-token decoding. They are localspec's patched ggml-cpu
+    (llama_cpp/lib-exact, which install.sh builds; loaded here if this is the process's first use
+    of llama.cpp); weight repacking stays on. Flash attention must stay off (localspec's
+    default): its one-row split-KV path depends on the thread count.
+    Measured: max |diff| 0 on every row of batches of 2..17 tokens (SmolLM2 Q4_1, Qwen Q4_K_M
+    repacked; tests/test_batch_invariant.py)."""
     first_use = isinstance(C, _NotLoaded)
     _load_llama_cpp(exact=True)
-    if "LLAMAFILE" in system_info():
+    if batch_invariant_rows() == 0:
         if not first_use:
             raise LocalspecError("--exact must be chosen before this process first uses llama.cpp "
-                                 "(it has loaded the default libraries); set LOCALSPEC_EXACT=1.")
-        raise LocalspecError("--exact needs llama.cpp's libraries without llamafile's tinyBLAS, "
-                             f"but this process loaded {library_account()}; rerun ./install.sh "
-                             "(without LOCALSPEC_EXACT_LIBS=0).")
-    if _state["decoded"] and not tiled_matmul_off():
-        raise LocalspecError("exact mode must be chosen before the first decode in this process.")
-    os.environ["GGML_CPU_TILED_MM"] = "0"
+                                 "(it has loaded llama.cpp's own libraries); set LOCALSPEC_EXACT=1.")
+        raise LocalspecError("--exact needs localspec's batch-invariant build of ggml-cpu, but this "
+                             f"process loaded {library_account()}; rerun ./install.sh (without "
+                             "LOCALSPEC_EXACT_LIBS=0).")
 
 
 def tiled_matmul_off() -> bool:

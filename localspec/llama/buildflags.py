@@ -26,16 +26,17 @@ first decode on Sapphire Rapids and newer (upstream llama.cpp issue 20824), and
 with GGML_NATIVE=OFF and name each instruction set the CPU has, AMX excluded; the repacked CPU
 kernels stay on.
 llamafile's tinyBLAS stays on (llama.cpp's default): without it prefill ran 0.94x on a 2-core
-EPYC (docs/build.md). It serves only batches of 2+ rows, so with it a verify batch computes
-different logits from one-token decoding; `--exact` therefore loads a second copy of the one
-library it lives in (ggml-cpu), built with exact_cmake_args(): GGML_LLAMAFILE=OFF.
+EPYC (docs/build.md). Upstream it serves batches of 2+ rows, so a verify batch computed different
+logits from one-token decoding; install.sh builds a second ggml-cpu with these same flags plus
+localspec's patches (patches/, docs/exactness.md: tinyBLAS and the tiled matmul from 32 rows, the
+repacked Q4_K gemm rounding as its gemv does), which `--exact` loads.
 ggml's RPC backend is built everywhere (GGML_RPC=ON): `--rpc` spreads a model's layers over
 `localspec rpc-server` processes on other hosts, and that server comes from this same build.
 
 Overrides: LOCALSPEC_CMAKE_ARGS replaces the flags entirely; CMAKE_ARGS is appended (later -D
 flags win); LOCALSPEC_CUDA_ARCH (e.g. "90") names the CUDA architectures.
 `python localspec/llama/buildflags.py --explain` prints the decision and why (stderr) and the
-flags (stdout); `--backend` prints only the backend; `--exact` the exact copy's flags.
+flags (stdout); `--backend` prints only the backend.
 """
 
 from __future__ import annotations
@@ -291,7 +292,7 @@ def choose(host: Host) -> Plan:
     """
     backend, reason = decide(host)
     args = ["-DGGML_LLAMAFILE=ON", "-DGGML_RPC=ON"]
-    why = ["llamafile tinyBLAS on: full prefill speed (--exact loads a ggml-cpu built without it)",
+    why = ["llamafile tinyBLAS on: full prefill speed (from 32 rows in the batch-invariant copy)",
            "RPC backend on: --rpc and `localspec rpc-server` (a small library, no new dependency)"]
     if host.machine.lower() in ("x86_64", "amd64") and host.system != "Darwin":
         flags = cpu_flags(host.cpuinfo)
@@ -315,12 +316,6 @@ def choose(host: Host) -> Plan:
         args.append("-DGGML_VULKAN=ON")
         why.append("Vulkan: shaders compiled at build time (the slow part of this build)")
     return Plan(backend, reason, tuple(args), tuple(why))
-
-
-def exact_cmake_args(args: list) -> list:
-    """Flags of the --exact copy of ggml-cpu: the same build without llamafile's tinyBLAS (its
-    only switch, GGML_USE_LLAMAFILE, is private to ggml-cpu, so the copy links with the rest)."""
-    return [a for a in args if not a.startswith("-DGGML_LLAMAFILE=")] + ["-DGGML_LLAMAFILE=OFF"]
 
 
 def host() -> Host:
@@ -371,7 +366,7 @@ def main(argv: list) -> int:
         print(f"backend: {plan.backend} ({plan.reason})", file=sys.stderr)
         for note in plan.notes:
             print(f"- {note}", file=sys.stderr)
-    print(" ".join(exact_cmake_args(list(plan.args)) if "--exact" in argv else plan.args))
+    print(" ".join(plan.args))
     return 0
 
 

@@ -1,11 +1,15 @@
-"""Which llama.cpp shared libraries this process loads: the default build (llamafile's tinyBLAS on,
-fastest prefill) or the llamafile-free copy that ./install.sh lays beside it for `--exact`.
+"""Which llama.cpp shared libraries this process loads: llama-cpp-python's own build, or the copy
+./install.sh lays beside it (llama_cpp/lib-exact) whose ggml-cpu carries localspec's patches
+(patches/, docs/exactness.md): batches of up to 31 rows compute every row as a one-token decode
+does, so speculative output is plain output bit for bit. Processes that ask for it load it
+(LOCALSPEC_EXACT=1, `--exact`); the rest load llama.cpp's own (INVARIANT_BY_DEFAULT is False: on
+the Zen 4 the patched kernels cost code edits 7-17%, over the 3% a default may cost).
 
 llama-cpp-python loads its libraries once, at `import llama_cpp`, from LLAMA_CPP_LIB_PATH if set;
 so the choice is made once per process, before that import (llama/backend.py asks here first).
 Standard library only and never imports llama_cpp, so install.sh runs it as a script to lay out
 the copy: `python localspec/llama/libs.py install CPU_LIB_DIR KEY | key | remove`.
-LOCALSPEC_EXACT_LIB names another llamafile-free library folder (a build of your own).
+LOCALSPEC_EXACT_LIB names another batch-invariant library folder (a build of your own).
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ from typing import Optional
 
 EXACT_DIR = "lib-exact"          # beside llama_cpp/lib in the installed package
 KEY_FILE = ".localspec-key"      # the build key (install.sh's flag-set hash) it was made for
-CPU_LIB = "libggml-cpu"          # the one library that differs: GGML_USE_LLAMAFILE is private to it
+CPU_LIB = "libggml-cpu"          # the one library that differs: the patches touch only ggml-cpu
 TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")   # what click accepts for LOCALSPEC_EXACT
+FALSE_WORDS = ("0", "false", "f", "no", "n", "off")
+INVARIANT_BY_DEFAULT = False     # code edits 0.83-0.93x on the Zen 4 (docs/exactness.md)
 
 
-def exact_requested(environ=os.environ) -> bool:
-    """LOCALSPEC_EXACT=1 asks for exact mode for the whole process (the CLI's --exact env var)."""
-    return environ.get("LOCALSPEC_EXACT", "").strip().lower() in TRUE_WORDS
+def exact_requested(environ=os.environ) -> Optional[bool]:
+    """LOCALSPEC_EXACT (the CLI's --exact env var): True asks for the batch-invariant libraries,
+    False for llama.cpp's own, None (unset) takes INVARIANT_BY_DEFAULT."""
+    word = environ.get("LOCALSPEC_EXACT", "").strip().lower()
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
 
 def package_lib_dir() -> Optional[Path]:
@@ -42,7 +50,7 @@ def _llama_lib(folder: Path) -> Optional[Path]:
 
 
 def exact_lib_status(environ=os.environ) -> tuple:
-    """(folder, problem): the llamafile-free library folder (LOCALSPEC_EXACT_LIB, else
+    """(folder, problem): the batch-invariant library folder (LOCALSPEC_EXACT_LIB, else
     llama_cpp/lib-exact) and "" when it is usable, else why not. A copy left from an earlier
     llama-cpp-python install is not usable: its libllama must be the installed one's twin."""
     given = environ.get("LOCALSPEC_EXACT_LIB")
@@ -65,20 +73,21 @@ def _stamp(path: Path) -> tuple:
     return st.st_size, int(st.st_mtime)
 
 
-def choose(exact: bool, environ=os.environ) -> str:
+def choose(exact: Optional[bool], environ=os.environ) -> str:
     """Point llama-cpp-python at the libraries for this process; returns which ones, as a phrase.
-    Without a usable copy an exact process loads the default libraries and the account says
-    why; llama.enable_exact_kernels() then refuses them if they have llamafile.
-    A LLAMA_CPP_LIB_PATH the user set is never overridden."""
+    exact None takes INVARIANT_BY_DEFAULT. Without a usable copy the process loads llama.cpp's
+    own libraries and the account says why; llama.enable_exact_kernels() then refuses them
+    (--exact), while default mode keeps the near-tie guard. A LLAMA_CPP_LIB_PATH the user set is
+    never overridden."""
     if environ.get("LLAMA_CPP_LIB_PATH"):
         return f"the libraries in LLAMA_CPP_LIB_PATH={environ['LLAMA_CPP_LIB_PATH']}"
-    if not exact:
-        return "the default libraries"
+    if not (INVARIANT_BY_DEFAULT if exact is None else exact):
+        return "llama.cpp's own libraries"
     folder, problem = exact_lib_status(environ)
     if problem:
-        return f"the default libraries ({problem})"
+        return f"llama.cpp's own libraries ({problem})"
     environ["LLAMA_CPP_LIB_PATH"] = str(folder)
-    return f"the llamafile-free libraries in {folder}"
+    return f"the batch-invariant libraries in {folder}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ class EngineConfig:
                                           # None: two full contexts' worth, 0: no prompt cache
     cache_disk: bool = False              # also keep them under <home>/prompt-cache (restarts)
     exact: bool = False                   # batch-invariant CPU kernels: speculative == plain, bit for bit
-    tie_margin: float = 0.25              # greedy, not exact: rows closer than this are re-decided
+    tie_margin: float = 0.25              # greedy, batches not trusted (GPU, RPC, llama.cpp's own
+                                          # kernels): rows closer than this are re-decided
     ngram_min: int = 1
     ngram_max: int = NGRAM_MAX
     ngram_tie: str = NGRAM_TIE

@@ -23,7 +23,7 @@ from ..policy.adaptive import AdaptivePolicy
 from ..policy.config import PolicyConfig
 from .config import EngineConfig
 from .drafting import Drafting
-from .factory import build
+from .factory import batches_trusted, build
 from .generation import Generation, Request
 from .proposers import EMPTY, Proposal, Proposer
 from .sampling import PositionStream, SamplingParams, draw, target_dist
@@ -61,6 +61,7 @@ class Engine:
                   "past that length may degrade. Lower --ctx unless you know it copes.",
                   file=sys.stderr)
         self.drafting = Drafting(config, progress)
+        self.trusts_batches = batches_trusted(config)    # no near-tie guard needed
         self._can_rollback = True
 
     # -- public --------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ class Engine:
                 f"raise --ctx (the model was trained on {self.model.n_ctx_train}) or shorten it.")
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         rules = self._policy(policy) if speculate else None
-        guard = self.config.tie_margin if sampling.greedy and not self.config.exact else 0.0
+        guard = self.config.tie_margin if sampling.greedy and not self.trusts_batches else 0.0
         req = Request(sampling, PositionStream(seed), rules, list(prompt_tokens), guard)
         if rules is not None:
             doc = self.model.tokenize(document, add_special=False) if document else None

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..policy.acceptance import TokenClasses
+from ..policy.config import K_LIMIT
 from ..catalog.models import resolve_model
 from .compat import check_pair
 from .config import PROPOSERS, EngineConfig
 from ..errors import LocalspecError
 from ..files import cache_dir
-from ..llama import Context, ContextParams, Model, ModelParams, enable_exact_kernels
+from ..llama import (Context, ContextParams, Model, ModelParams, batch_invariant_rows,
+                     enable_exact_kernels)
 from ..policy.draft_estimate import DraftPolicy
 from ..cache.prompt_cache import PromptCache, default_budget_mb
 from .store_file import LearningStore
@@ -59,21 +61,24 @@ def build(target: Union[str, os.PathLike, Model], config: EngineConfig,
     return Parts(model, own_model, ctx, cache, proposer)
 
 
-def model_params(n_gpu_layers: int, exact: bool) -> ModelParams:
-    """Exact mode loads weights without repacking (see README "Exactness")."""
-    return ModelParams(n_gpu_layers=n_gpu_layers, use_extra_bufts=False if exact else None)
+def batches_trusted(config: EngineConfig) -> bool:
+    """Whether a verify batch's rows equal one-token decodes bit for bit, so the near-tie guard
+    can go: the target runs on the CPU (no GPU or RPC layers) with localspec's batch-invariant
+    ggml-cpu, for batches as large as the policy may verify (docs/exactness.md)."""
+    on_cpu = config.n_gpu_layers == 0 and not config.rpc
+    return on_cpu and batch_invariant_rows() > K_LIMIT + 1
 
 
 def load_model(target: Union[str, os.PathLike], n_gpu_layers: int = 0,
                exact: bool = False, rpc: tuple = ()) -> Model:
-    """Resolve a catalog name or path (pulling if needed) and load it; exact mode switches the
-    batch-invariant kernels on first, since ggml reads that switch at the first decode. RPC
+    """Resolve a catalog name or path (pulling if needed) and load it; exact mode first makes
+    sure this process loaded the batch-invariant kernels (one error line if not). RPC
     servers are attached before the load (process-wide), and where the layers went is said,
     since RPC is otherwise silent."""
     if exact:
         enable_exact_kernels()
     attach_rpc(rpc)
-    model = Model(resolve_model(str(target)), model_params(n_gpu_layers, exact))
+    model = Model(resolve_model(str(target)), ModelParams(n_gpu_layers=n_gpu_layers))
     if rpc or n_gpu_layers:
         print(placement_line(model), file=sys.stderr)
     return model
@@ -136,7 +141,7 @@ def make_ngram(config: EngineConfig, target: Model) -> NgramProposer:
 def load_draft(config: EngineConfig, target: Model,
                cache: Optional[PromptCache] = None) -> DraftProposer:
     layers = config.n_gpu_layers if config.draft_gpu_layers is None else config.draft_gpu_layers
-    model = Model(resolve_model(config.draft), model_params(layers, config.exact))
+    model = Model(resolve_model(config.draft), ModelParams(n_gpu_layers=layers))
     if layers or config.rpc:
         print(placement_line(model).replace("localspec: ", "localspec: draft ", 1), file=sys.stderr)
     try:

@@ -23,7 +23,7 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     step_tokens: int = 0             # tokens the steps emitted (an EOS included)
-    rechecks: int = 0                # near-ties re-decided by a one-token decode (not exact mode)
+    rechecks: int = 0                # near-ties re-decided by a one-token decode (guard on)
     pauses: int = 0                  # times the regret guard turned drafting off (not paying)
     drafted_by_pos: list = field(default_factory=list)    # [i] drafts evaluated at position i
     accepted_by_pos: list = field(default_factory=list)   # [i] of those, accepted

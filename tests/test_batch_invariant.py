@@ -1,0 +1,112 @@
+"""--exact: on the CPU, with localspec's patched ggml-cpu (llama_cpp/lib-exact), every row of a
+verify batch is bit-identical to a one-token decode, so speculative output is plain output token
+for token with no near-tie guard, greedy or seeded (docs/exactness.md). The choice of libraries is
+per process: these tests skip in a process that loaded llama.cpp's own (the default), and
+tests/test_exact_libs.py runs them in one that loaded the patched copy (LOCALSPEC_EXACT=1). The
+default model's checks run with LOCALSPEC_TEST_QWEN=1."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from localspec.llama import (Context, ContextParams, Model, ModelParams, batch_invariant_rows,
+                             system_info)
+from localspec.policy.config import K_LIMIT
+from localspec.spec.sampling import SamplingParams
+
+from test_speculative import PROMPTS, assert_greedy_lossless, engine
+
+INVARIANT = batch_invariant_rows() > 0
+needs_invariant = pytest.mark.skipif(
+    not INVARIANT, reason="this process loaded llama.cpp's own libraries (tests/test_exact_libs.py "
+                          "reruns these with LOCALSPEC_EXACT=1)")
+needs_qwen = pytest.mark.skipif(not os.environ.get("LOCALSPEC_TEST_QWEN"),
+                                reason="the default model (1 GB) runs when LOCALSPEC_TEST_QWEN=1")
+TEXT = "Speculative decoding verifies many drafted tokens at once, then keeps the longest " \
+       "prefix the target agrees with. "
+
+
+def every_row_mismatch(path, n_prompt: int, threads: int) -> list:
+    """(batch size, first differing row) for each batch of 2..K_LIMIT+1 tokens whose rows are not
+    bit-identical to decoding the same tokens one at a time after an n_prompt-token context."""
+    with Model(path, ModelParams()) as model, \
+            Context(model, ContextParams(n_ctx=2048, n_threads=threads)) as ctx:
+        prompt = model.tokenize(TEXT * 80)[:n_prompt]
+        assert len(prompt) == n_prompt
+        ctx.decode(prompt, logits="none")
+        base = ctx.n_past
+        cont = [(97 * i + 11) % model.n_vocab for i in range(K_LIMIT + 1)]
+        single = np.stack([ctx.decode([t], logits="last")[0].copy() for t in cont])
+        bad = []
+        for n in range(2, K_LIMIT + 2):
+            ctx.truncate(base)
+            batch = ctx.decode(cont[:n], logits="all")
+            rows = [i for i in range(n) if not np.array_equal(batch[i], single[i])]
+            if rows:
+                bad.append((n, rows[0]))
+        return bad
+
+
+@needs_invariant
+def test_the_patched_library_says_how_many_rows_it_keeps_invariant():
+    assert batch_invariant_rows() > K_LIMIT + 1          # the largest verify batch fits
+    assert "LLAMAFILE = 1" in system_info()              # prefill keeps tinyBLAS
+
+
+@needs_invariant
+@pytest.mark.smollm
+@pytest.mark.parametrize("n_prompt", [40, 700])
+def test_every_row_of_a_verify_batch_equals_one_token_decodes_on_smollm(smollm_path, n_prompt):
+    """SmolLM2-135M Q4_1 (vec_dot Q4_1 and Q8_0, the F16 KV cache's attention matmuls that
+    tinyBLAS served upstream), after a short and a long context, on every core."""
+    assert every_row_mismatch(smollm_path, n_prompt, threads=os.cpu_count() or 1) == []
+
+
+@needs_invariant
+@needs_qwen
+@pytest.mark.qwen
+@pytest.mark.parametrize("n_prompt", [40, 700])
+def test_every_row_of_a_verify_batch_equals_one_token_decodes_on_the_default_model(n_prompt):
+    """Qwen2.5-Coder-1.5B Q4_K_M with its Q4_K weights repacked: rows 4k.. of a batch go through
+    the patched 4-row Q4_K gemm, the rest through the gemv one-token decoding uses (the gemm-vs-
+    gemv check), and its Q6_K tensors through vec_dot instead of the tiled matmul."""
+    from localspec.catalog.models import resolve_model
+
+    path = resolve_model("default", progress=False)
+    assert every_row_mismatch(path, n_prompt, threads=os.cpu_count() or 1) == []
+
+
+@needs_invariant
+@pytest.mark.smollm
+def test_greedy_speculative_equals_plain_with_no_near_tie_guard_on_smollm(smollm):
+    chats = [[{"role": "user", "content": f"Repeat exactly: {p}"}] for p in PROMPTS]
+    assert assert_greedy_lossless(smollm, chats, max_tokens=40, fixed_k=None, tie_margin=0) == []
+
+
+@needs_invariant
+@pytest.mark.smollm
+def test_the_engine_drops_the_near_tie_guard_on_batch_invariant_kernels(smollm):
+    chat = [{"role": "user", "content": f"Repeat exactly: {PROMPTS[0]}"}]
+    with engine(smollm, "ngram", fixed_k=4) as spec:
+        assert spec.trusts_batches
+        gen = spec.generate(chat, max_tokens=24)
+        gen.complete()
+        assert gen.stats.rechecks == 0 and gen.stats.accepted > 0
+
+
+@needs_invariant
+@pytest.mark.smollm
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_seeded_sampling_gives_the_same_text_speculative_or_not_on_smollm(smollm, seed):
+    """Same seed, same text: the verifier draws from the same per-position random stream as
+    plain sampling, and the batch's probabilities are the one-token decodes' bit for bit."""
+    sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
+    chat = [{"role": "user", "content": f"Repeat exactly, then go on: {PROMPTS[seed]}"}]
+    with engine(smollm, "none") as plain, engine(smollm, "ngram", fixed_k=4) as spec:
+        a = plain.generate(chat, sp, max_tokens=48).complete_tokens()
+        gen = spec.generate(chat, sp, max_tokens=48)
+        b = gen.complete_tokens()
+    assert a == b and gen.stats.drafted > 0
