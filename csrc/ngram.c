@@ -7,6 +7,7 @@
  * its own match) and leaves when that token is truncated.
  */
 #include "ngram.h"
+#include "hashing.h"
 
 #include <string.h>
 
@@ -41,33 +42,6 @@ static int params_ok(const lsng_params *p)
 }
 
 static int index_ok(const lsng_index *x) { return x && x->magic == LSNG_MAGIC; }
-
-/* Slots per table: a power of two >= 2 * capacity, so the load stays <= 1/2 and probes end. */
-static uint64_t n_slots(int32_t capacity)
-{
-    uint64_t s = 2;
-    while (s < 2u * (uint64_t)capacity) s <<= 1;
-    return s;
-}
-
-/* Hash of an n-gram, built from its last token backwards: step(...step(SEED, g[L-1])..., g[0]).
- * Extending by one more token to the left gives the hash of the (L+1)-gram ending at the same
- * place, so all lengths at one end position cost O(ngram_max) together. */
-static uint64_t hash_step(uint64_t h, int32_t token)
-{
-    h = (h ^ (uint32_t)token) * 0x9e3779b97f4a7c15ull;
-    return h ^ (h >> 29);
-}
-
-static uint32_t hash_final(uint64_t h)
-{
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ull;
-    h ^= h >> 33;
-    return (uint32_t)(h >> 32);
-}
 
 /* hashes[L] for L in [ngram_min, lmax]: the L-grams of s ending at position e. */
 static void hashes_at(const lsng_index *x, const int32_t *s, int32_t e, int32_t lmax,

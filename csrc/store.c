@@ -7,6 +7,7 @@
  * bytes (the store is meant to hold a million tokens). prev[L][e] is the previous occurrence.
  */
 #include "store.h"
+#include "hashing.h"
 
 #include <string.h>
 
@@ -35,31 +36,6 @@ static int params_ok(const lsst_params *p)
 }
 
 static int store_ok(const lsst_store *s) { return s && s->magic == LSST_MAGIC; }
-
-static uint64_t n_slots(int32_t capacity)
-{
-    uint64_t s = 2;
-    while (s < 2u * (uint64_t)capacity) s <<= 1;
-    return s;
-}
-
-/* Hash of the L-gram ending at e, from its last token backwards (ngram.c's scheme): all lengths
- * at one end cost O(ngram_max) together. */
-static uint64_t hash_step(uint64_t h, int32_t token)
-{
-    h = (h ^ (uint32_t)token) * 0x9e3779b97f4a7c15ull;
-    return h ^ (h >> 29);
-}
-
-static uint32_t hash_final(uint64_t h)
-{
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ull;
-    h ^= h >> 33;
-    return (uint32_t)(h >> 32);
-}
 
 static int32_t *table(const lsst_store *x, int32_t L)
 {

@@ -1,5 +1,5 @@
 """Where localspec keeps its files, the cheap check that a file is a GGUF model at all, and
-the seconds settings read from the environment.
+the numbers read from the environment.
 
 Standard library only: the bottom layer, used by the llama door, calibration and the catalog alike.
 """
@@ -19,10 +19,10 @@ from .errors import LocalspecError
 GGUF_MAGIC = b"GGUF"
 
 
-def env_seconds(name: str, default: float, meaning: str, zero_ok: bool = False) -> float:
-    """A number of seconds from the environment variable `name` (unset or blank: `default`);
-    anything else than a finite number (> 0, or >= 0 with zero_ok) is one error line that
-    says what the setting means."""
+def env_number(name: str, default: float, unit: str, meaning: str, zero_ok: bool = False) -> float:
+    """A number (of `unit`: seconds, MB) from the environment variable `name` (unset or blank:
+    `default`); anything else than a finite number (> 0, or >= 0 with zero_ok) is one error line
+    that says what the setting means."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -31,7 +31,7 @@ def env_seconds(name: str, default: float, meaning: str, zero_ok: bool = False) 
     except ValueError:
         value = float("nan")
     if not (0 <= value if zero_ok else 0 < value) or not value < 1e6:    # NaN fails too
-        raise LocalspecError(f"{name}={raw!r} is not a number of seconds "
+        raise LocalspecError(f"{name}={raw!r} is not a number of {unit} "
                              f"{'>= 0' if zero_ok else 'above 0'} ({meaning}).")
     return value
 

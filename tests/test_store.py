@@ -363,3 +363,13 @@ def test_session_replay_on_the_recorded_sessions():
     assert all(abs(r[4] - r[2]) < 1e-9 for r in first)         # each session starts empty
     lone = replay_sessions([dataclasses.replace(c, session=None) for c in cases[:3]], flat)
     assert all(abs(r[4] - r[2]) < 1e-9 for r in lone)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "lots"])
+def test_a_bad_budget_is_one_error_naming_the_variable(monkeypatch, value):
+    from localspec.errors import LocalspecError
+    monkeypatch.setenv("LOCALSPEC_STORE_MB", value)
+    with pytest.raises(LocalspecError, match="LOCALSPEC_STORE_MB=.*number of MB"):
+        store_file.budget_mb()
+    monkeypatch.setenv("LOCALSPEC_STORE_MB", " 0 ")
+    assert store_file.budget_mb() == 0.0

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable, Iterable, Optional
 
-from ..files import env_seconds
+from ..files import env_number
 
 TIMEOUT_ENV = "LOCALSPEC_RPC_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0
@@ -31,7 +31,7 @@ _SCAN_S = 0.25              # how often new sockets of ggml's are looked for
 
 def timeout_s() -> float:
     """LOCALSPEC_RPC_TIMEOUT, checked: seconds a server may stay silent in one exchange."""
-    return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "how long an RPC server may stay silent")
+    return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "seconds", "how long an RPC server may stay silent")
 
 
 def peers_of(endpoints: Iterable[str], split: Callable[[str], tuple]) -> set:

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 from .costmodel import Stability, ratio_stability, round_stability
-from ..files import cache_dir, env_seconds
+from ..files import cache_dir, env_number
 from ..llama import Context, system_info, tiled_matmul_off
 from .draft_estimate import CostCurve
 from ..llama.rpc import attached as rpc_attached
@@ -31,7 +31,7 @@ UNKNOWN_SLOPE = 0.3       # r(k) = 1 + 0.3 k where no batch was timed yet: a mid
 
 def first_run_budget() -> float:
     """Seconds a run may spend timing batches before it answers (LOCALSPEC_CALIBRATION_S)."""
-    return env_seconds(BUDGET_ENV, FIRST_RUN_BUDGET_S, "how long a run may time verify batches "
+    return env_number(BUDGET_ENV, FIRST_RUN_BUDGET_S, "seconds", "how long a run may time verify batches "
                        "before it answers", zero_ok=True)
 
 

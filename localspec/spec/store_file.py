@@ -29,8 +29,7 @@ import numpy as np
 from ..cache.disk import stale_temp
 from ..cache.format import Rejected, model_identity, read_file, write_file
 from ..catalog.pull import exclusive_lock
-from ..errors import LocalspecError
-from ..files import cache_dir
+from ..files import cache_dir, env_number
 from .store import BREAK, DraftStore, capacity_for
 
 STORE_VERSION = 1
@@ -48,17 +47,8 @@ def budget_mb(value: Optional[float] = None) -> float:
     """The store's budget in MB: `value`, else $LOCALSPEC_STORE_MB, else 64 (0: no store)."""
     if value is not None:
         return max(0.0, float(value))
-    raw = os.environ.get(ENV_MB, "").strip()
-    if not raw:
-        return DEFAULT_MB
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise LocalspecError(f"{ENV_MB}={raw!r} is not a number of MB; set it to e.g. 64, "
-                             "or 0 to turn the draft store off.") from None
-    if not mb >= 0:
-        raise LocalspecError(f"{ENV_MB}={raw!r}: the budget must be >= 0 MB (0: no store).")
-    return mb
+    return env_number(ENV_MB, DEFAULT_MB, "MB", "the draft store's budget; 0 turns it off",
+                      zero_ok=True)
 
 
 def store_dir() -> Path:
