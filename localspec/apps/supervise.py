@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Iterable, Optional
 
+from .protocol import NOTE, RpcError, parse_envelope
 from .stdio import Writer
 
 SUPERVISED = "LOCALSPEC_SUPERVISED"     # set in the child: serve, do not supervise again
@@ -65,15 +66,13 @@ class _StderrTap:
 
 
 def _request_id(line: bytes):
-    """The id of a request that expects an answer, else None (notifications, garbage)."""
+    """The id of a request that expects an answer, else None (notifications, garbage: the
+    child answers those itself, at once)."""
     try:
-        msg = json.loads(line)
-    except ValueError:
+        rid = parse_envelope(line)[0]
+    except RpcError:
         return None
-    if isinstance(msg, dict) and "method" in msg and isinstance(msg.get("id"), (int, str)) \
-            and not isinstance(msg.get("id"), bool):
-        return msg["id"]
-    return None
+    return None if rid is NOTE else rid
 
 
 class StdioSupervisor:

@@ -124,7 +124,7 @@ class AdaptivePolicy:
         it keeps the scalar estimate of draft_estimate.DraftPolicy and its probes."""
         if offer.features is None:
             return self.draft.choose_k(offer.source, available=offer.limit, probe=True)
-        return self.choose_draft(offer.features)
+        return self.choose_scored(offer)[0]
 
     def predict(self, f: DraftFeatures) -> list:
         """p_0..p_{n-1} of the proposal's positions (n capped by k_max)."""
