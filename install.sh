@@ -137,8 +137,5 @@ elif [ "$("$VPY" localspec/llama/libs.py key)" != "$KEY-$PKEY" ]; then
 fi
 echo "Installing localspec and its dependencies (log: $LOG)..." >&2
 quiet "installing localspec" "$VPY" -m pip install -e ".[server,test]"
-echo "localspec installed in $VENV (llama.cpp: $("$VPY" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode().strip())'))" >&2
-if [ -n "$("$VPY" localspec/llama/libs.py key)" ]; then
-  echo "--exact loads: $(LOCALSPEC_EXACT=1 "$VPY" -c 'from localspec import llama
-llama.enable_exact_kernels(); print(llama.system_info())' 2>&1 | tail -n 1)" >&2
-fi
+echo "localspec installed in $VENV; llama.cpp: $("$VPY" -c 'from localspec import llama
+print(llama.system_info()); print(llama.library_account())' 2>&1 | tail -n 2 | tr '\n' ' ')" >&2

@@ -10,11 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
 
-# The suite runs on the default kernels, as users do. Only a process that asked for --exact's
-# libraries (tests/test_exact_libs.py starts one, LOCALSPEC_EXACT=1, to run the bit-for-bit tests)
-# turns the tiled K-quant matmul off, before its first decode: ggml reads that switch once.
-if os.environ.get("LOCALSPEC_EXACT") == "1":
-    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+# The suite runs on the default kernels, as users do: the batch-invariant libraries where
+# install.sh built them (tests/test_exact_libs.py also starts processes on each set explicitly).
 
 from tinymodel import make_tiny_gguf
 

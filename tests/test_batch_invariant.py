@@ -1,9 +1,10 @@
-"""--exact: on the CPU, with localspec's patched ggml-cpu (llama_cpp/lib-exact), every row of a
-verify batch is bit-identical to a one-token decode, so speculative output is plain output token
-for token with no near-tie guard, greedy or seeded (docs/exactness.md). The choice of libraries is
-per process: these tests skip in a process that loaded llama.cpp's own (the default), and
-tests/test_exact_libs.py runs them in one that loaded the patched copy (LOCALSPEC_EXACT=1). The
-default model's checks run with LOCALSPEC_TEST_QWEN=1."""
+"""On the CPU, with localspec's patched ggml-cpu (llama_cpp/lib-exact, loaded by default), every
+row of a verify batch is bit-identical to a one-token decode, so speculative output is plain
+output token for token with no near-tie guard, greedy or seeded (docs/exactness.md). The choice
+of libraries is per process: these tests skip in a process that loaded llama.cpp's own
+(LOCALSPEC_EXACT=0, or no lib-exact), and tests/test_exact_libs.py then runs them in one that
+asked for the patched copy (LOCALSPEC_EXACT=1). The default model's checks run with
+LOCALSPEC_TEST_QWEN=1."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from test_speculative import PROMPTS, assert_greedy_lossless, engine
 INVARIANT = batch_invariant_rows() > 0
 needs_invariant = pytest.mark.skipif(
     not INVARIANT, reason="this process loaded llama.cpp's own libraries (tests/test_exact_libs.py "
-                          "reruns these with LOCALSPEC_EXACT=1)")
+                          "runs these with LOCALSPEC_EXACT=1)")
 needs_qwen = pytest.mark.skipif(not os.environ.get("LOCALSPEC_TEST_QWEN"),
                                 reason="the default model (1 GB) runs when LOCALSPEC_TEST_QWEN=1")
 TEXT = "Speculative decoding verifies many drafted tokens at once, then keeps the longest " \
@@ -58,7 +59,7 @@ def test_the_patched_library_says_how_many_rows_it_keeps_invariant():
 
 @needs_invariant
 @pytest.mark.smollm
-@pytest.mark.parametrize("n_prompt", [40, 700])
+@pytest.mark.parametrize("n_prompt", [40, 700, 1500])
 def test_every_row_of_a_verify_batch_equals_one_token_decodes_on_smollm(smollm_path, n_prompt):
     """SmolLM2-135M Q4_1 (vec_dot Q4_1 and Q8_0, the F16 KV cache's attention matmuls that
     tinyBLAS served upstream), after a short and a long context, on every core."""
@@ -68,7 +69,7 @@ def test_every_row_of_a_verify_batch_equals_one_token_decodes_on_smollm(smollm_p
 @needs_invariant
 @needs_qwen
 @pytest.mark.qwen
-@pytest.mark.parametrize("n_prompt", [40, 700])
+@pytest.mark.parametrize("n_prompt", [40, 700, 1500])
 def test_every_row_of_a_verify_batch_equals_one_token_decodes_on_the_default_model(n_prompt):
     """Qwen2.5-Coder-1.5B Q4_K_M with its Q4_K weights repacked: rows 4k.. of a batch go through
     the patched 4-row Q4_K gemm, the rest through the gemv one-token decoding uses (the gemm-vs-

@@ -29,7 +29,7 @@ def device_lines() -> list:
     return [
         f"platform: {platform.system()} {platform.machine()}, {default_threads()} usable cores",
         f"llama.cpp libraries: {library_account()}",
-        f"--exact libraries (batch-invariant): {problem or folder}",
+        f"batch-invariant libraries (the default; --exact insists): {problem or folder}",
         f"llama.cpp features: {features}",
         f"GPU offload available: {gpu_offload_line(features)}",
         f"AMX: {amx}",

@@ -62,10 +62,10 @@ def _csv(_ctx, _param, value):
               help="Layers on these `localspec rpc-server`s, for every mode and the peer (all "
                    "layers unless --gpu-layers says how many).")
 @click.option("--exact", is_flag=True, envvar="LOCALSPEC_EXACT",
-              help="Batch-invariant CPU kernels for our modes (localspec's patched ggml-cpu, "
-                   "docs/exactness.md): speculative output is then plain output bit for bit, "
-                   "at some speed. The peer runs on the same libraries. "
-                   "Env: LOCALSPEC_EXACT=1.")
+              help="Insist on the batch-invariant CPU kernels (localspec's patched ggml-cpu, "
+                   "loaded by default where install.sh built it; docs/exactness.md): one error "
+                   "line without them. LOCALSPEC_EXACT=0 benches llama.cpp's own kernels. The "
+                   "peer runs on the same libraries. Env: LOCALSPEC_EXACT=1.")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
               help="Run every case this many times in every mode, the mode order reversed each "
                    "round; tok/s and ratios are medians of the rounds (each round's ratio from "

@@ -88,11 +88,13 @@ def model_options(default_proposer: str = "ngram"):
                               "(default: adaptive, from the measured cost curve and running "
                               "acceptance)."),
             click.option("--exact", is_flag=True, envvar="LOCALSPEC_EXACT",
-                         help="Batch-invariant CPU kernels: speculative output is bit-for-bit "
-                              "plain decoding's. Loads localspec's patched ggml-cpu (install.sh "
-                              "builds it; docs/exactness.md): prefill at full speed, code edits "
-                              "7-17% slower on a Zen 4. Without it, one error line. "
-                              "Env: LOCALSPEC_EXACT=1."),
+                         help="Insist on batch-invariant CPU kernels (speculative output "
+                              "bit-for-bit plain decoding's): localspec's patched ggml-cpu, "
+                              "which install.sh builds and every run loads by default, at "
+                              "llama.cpp's own speed (docs/exactness.md). With this flag a "
+                              "missing library is one error line instead of a fallback to "
+                              "llama.cpp's own kernels and the near-tie guard "
+                              "(LOCALSPEC_EXACT=0 chooses those). Env: LOCALSPEC_EXACT=1."),
             click.option("--ctx", "n_ctx", type=click.IntRange(64), default=ENGINE.n_ctx,
                          show_default=True, help="Context size in tokens (prompt + output)."),
             click.option("--threads", type=click.IntRange(1), default=None,

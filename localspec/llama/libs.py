@@ -1,9 +1,11 @@
 """Which llama.cpp shared libraries this process loads: llama-cpp-python's own build, or the copy
 ./install.sh lays beside it (llama_cpp/lib-exact) whose ggml-cpu carries localspec's patches
 (patches/, docs/exactness.md): batches of up to 31 rows compute every row as a one-token decode
-does, so speculative output is plain output bit for bit. Processes that ask for it load it
-(LOCALSPEC_EXACT=1, `--exact`); the rest load llama.cpp's own (INVARIANT_BY_DEFAULT is False: on
-the Zen 4 the patched kernels cost code edits 7-17%, over the 3% a default may cost).
+does, so speculative output is plain output bit for bit. Processes load it by default
+(INVARIANT_BY_DEFAULT: since patch 0006 it costs nothing measurable against llama.cpp's own,
+docs/exactness.md) and fall back to llama.cpp's own, with the near-tie guard, where install.sh
+did not build it; LOCALSPEC_EXACT=0 chooses llama.cpp's own, and LOCALSPEC_EXACT=1 (`--exact`)
+insists on the patched copy (one error line without it).
 
 llama-cpp-python loads its libraries once, at `import llama_cpp`, from LLAMA_CPP_LIB_PATH if set;
 so the choice is made once per process, before that import (llama/backend.py asks here first).
@@ -26,7 +28,7 @@ KEY_FILE = ".localspec-key"      # the build key (install.sh's flag-set hash) it
 CPU_LIB = "libggml-cpu"          # the one library that differs: the patches touch only ggml-cpu
 TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")   # what click accepts for LOCALSPEC_EXACT
 FALSE_WORDS = ("0", "false", "f", "no", "n", "off")
-INVARIANT_BY_DEFAULT = False     # code edits 0.83-0.93x on the Zen 4 (docs/exactness.md)
+INVARIANT_BY_DEFAULT = True      # code edits level with llama.cpp's own (docs/exactness.md)
 
 
 def exact_requested(environ=os.environ) -> Optional[bool]:
@@ -77,7 +79,7 @@ def choose(exact: Optional[bool], environ=os.environ) -> str:
     """Point llama-cpp-python at the libraries for this process; returns which ones, as a phrase.
     exact None takes INVARIANT_BY_DEFAULT. Without a usable copy the process loads llama.cpp's
     own libraries and the account says why; llama.enable_exact_kernels() then refuses them
-    (--exact), while default mode keeps the near-tie guard. A LLAMA_CPP_LIB_PATH the user set is
+    (--exact), while default mode runs on them with the near-tie guard. A LLAMA_CPP_LIB_PATH the user set is
     never overridden."""
     if environ.get("LLAMA_CPP_LIB_PATH"):
         return f"the libraries in LLAMA_CPP_LIB_PATH={environ['LLAMA_CPP_LIB_PATH']}"
