@@ -436,6 +436,52 @@ def test_a_first_run_times_batches_in_slices_that_later_runs_finish(tmp_path, mo
     assert asked == []                                   # final: cached, nothing timed
 
 
+class SlowDevice:
+    """A context on a fake clock: a decode of n rows takes `one` x (1 + 0.5 (n - 1)) seconds (a
+    prefix without logits `one`), and the first decode of a shape `compile_s` more (a software
+    GPU compiling its shaders)."""
+    def __init__(self, clock, one, compile_s):
+        self.clock, self.one, self.compile_s, self.shapes = clock, one, compile_s, set()
+        self.model = type("model", (), {"n_vocab": 100})
+        self.n_past, self.decoded = 0, []
+
+    def clear(self):
+        self.n_past = 0
+
+    def truncate(self, n):
+        self.n_past = n
+
+    def decode(self, toks, logits):
+        n = len(toks)
+        cost = self.one if logits == "none" else self.one * (1 + 0.5 * (n - 1))
+        self.clock[0] += cost + self.compile_s * (n not in self.shapes)
+        self.shapes.add(n)
+        self.n_past += n
+        self.decoded.append(n)
+
+
+def test_a_budget_bounds_the_whole_timing_call_on_a_slow_device(monkeypatch):
+    """No batch starts that should end past the budget (guessed from the warm-up and the prior
+    r(k)), the prefix and warm-up count against it, and a device whose first decode alone eats
+    the budget gets an empty row, which leaves the prior in place."""
+    clock = [0.0]
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    fast = SlowDevice(clock, one=0.01, compile_s=0.0)
+    (row,) = calibrate.time_batches(fast, [1, 2, 3, 4, 5], 1, budget_s=3.0)
+    assert len(row) == 5 and clock[0] <= 3.0
+    clock[0] = 0.0
+    mid = SlowDevice(clock, one=0.5, compile_s=0.0)
+    (row,) = calibrate.time_batches(mid, [1, 2, 3, 4, 5], 1, budget_s=3.0)
+    assert row == pytest.approx([0.5, 0.75]) and clock[0] <= 3.0   # a 3-row batch would not fit
+    clock[0] = 0.0
+    lavapipe = SlowDevice(clock, one=0.7, compile_s=6.0)
+    assert calibrate.time_batches(lavapipe, [1, 2, 3], 1, budget_s=3.0) == [[]]
+    assert lavapipe.decoded == [1, 1]                   # the 1-token prefix and the warm-up
+    samples = calibrate._slice(lavapipe, {}, k_max=2, deadline=clock[0] + 1.0)
+    assert samples == {}                                # nothing timed: the prior stands
+    assert calibrate.curve_from_samples(samples, 2).ratios == (1.0, 1.3, 1.6)
+
+
 def test_a_zero_budget_answers_with_the_prior_at_once(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(calibrate, "time_batches", lambda *a, **k: pytest.fail("timed"))

@@ -50,25 +50,34 @@ def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
 
 def time_batches(ctx: Context, sizes: Sequence[int], reps: int,
                  all_rows_upto: Optional[int] = None, budget_s: Optional[float] = None) -> list:
-    """Seconds of one decode of a batch of each size after a 32-token prefix: [reps][sizes],
+    """Seconds of one decode of a batch of each size after a prefix of 32 tokens: [reps][sizes],
     rounds over every size, so drift on a shared machine hits all sizes alike. Logits of every
-    row (a verify batch's), or of the last only past `all_rows_upto` rows (a prefill's). With
-    `budget_s`, stops once that much time has passed (after the first two sizes at least): the
-    last round may then be shorter. Leaves the context empty."""
+    row (a verify batch's), or of the last only past `all_rows_upto` rows (a prefill's).
+
+    With `budget_s`, the whole call (prefix and warm-up included) keeps within it: a batch is
+    not started unless it should end in time, guessed from the warm-up's one-token decode and
+    the prior r(k); the last round may then be short, or a row empty. Its prefix is then one
+    token, a shape every decode compiles anyway: a device that compiles kernels per batch shape
+    on first use (Mesa's software Vulkan: seconds each) would otherwise build a 32-row prefill's
+    for nothing. Leaves the context empty."""
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     ctx.clear()
     vocab = ctx.model.n_vocab
-    ctx.decode([(7 * i + 3) % vocab for i in range(32)], logits="none")
+    prefix = 32 if budget_s is None else 1
+    ctx.decode([(7 * i + 3) % vocab for i in range(prefix)], logits="none")
     base = ctx.n_past
     batches = [[(11 * j + 5) % vocab for j in range(n)] for n in sizes]
-    ctx.decode(batches[0][:1], logits="all")      # warm-up
+    t = time.perf_counter()
+    ctx.decode(batches[0][:1], logits="all")      # warm-up, and the guess of one decode's time
+    one = time.perf_counter() - t
     ctx.truncate(base)
     rounds = []
-    deadline = None if budget_s is None else time.perf_counter() + budget_s
     for _ in range(reps):
         row = []
         rounds.append(row)
         for toks in batches:
-            if deadline is not None and len(row) >= 2 and time.perf_counter() > deadline:
+            guess = one * (1 + UNKNOWN_SLOPE * (len(toks) - 1))
+            if deadline is not None and time.perf_counter() + guess > deadline:
                 break
             rows = "all" if all_rows_upto is None or len(toks) <= all_rows_upto else "last"
             t = time.perf_counter()
@@ -138,6 +147,8 @@ def _slice(ctx: Context, samples: dict, k_max: int, deadline: float) -> dict:
         if left <= 0:
             break
         (row,) = time_batches(ctx, [1] + [k + 1 for k in order], 1, budget_s=left)
+        if not row:                  # nothing fitted in what was left: the prior stands for now
+            break
         out.setdefault("t0", []).append(row[0])
         for k, t in zip(order, row[1:]):
             out.setdefault(str(k), []).append(t / row[0])
