@@ -51,7 +51,12 @@ if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
     flock 9
   fi
   if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    echo "Building llama-cpp-python $LLAMA_CPP_PYTHON for $BACKEND (CPU: 10-15 min on 2 cores;" \
+    case $BACKEND in         # measured on 2-core machines (docs/build.md, docs/gpu.md)
+      cuda) took="CUDA: 30-45 min on 2 cores for one GPU architecture";;
+      vulkan) took="Vulkan: 9-12 min on 2 cores";;
+      *) took="$BACKEND: 5-15 min on 2 cores";;
+    esac
+    echo "Building llama-cpp-python $LLAMA_CPP_PYTHON for $BACKEND ($took;" \
          "log: $LOG) with: $ARGS" >&2
     rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
     CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def doctor(*args):
     return subprocess.run([sys.executable, "-m", "localspec", "doctor", *args],
@@ -55,7 +57,7 @@ def test_gpu_layers_with_nowhere_to_put_them_is_one_line_and_exit_1(tiny_path):
                         "-n", "4", "--gpu-layers", "-1", "hello"], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "GGML_VK_VISIBLE_DEVICES": ""})
     assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
-    line = next(ln for ln in r.stderr.splitlines() if "--gpu-layers" in ln)
+    (line,) = r.stderr.strip().splitlines()              # one line, ggml's own reason inside it
     if gpu_backends():
         assert "found no device" in line and "LOCALSPEC_BACKEND=cpu" in line
     else:
@@ -75,3 +77,23 @@ def test_layers_beyond_the_model_are_clamped_in_the_placement_line():
                                      "with them (asked for 99: clamped to the model's 31)")
     cpu = SimpleNamespace(path=Path("m.gguf"), placement="", n_gpu_layers=0, n_layer=30)
     assert placement_line(cpu) == "localspec: m.gguf: every layer on this machine"
+
+
+def test_a_gpu_backend_that_fails_to_start_is_quoted_not_printed(capsys, monkeypatch):
+    """ggml_cuda_init's error on a machine without the NVIDIA driver goes into localspec's own
+    line (check_offload, doctor), not onto stderr beside it: a CPU run of that build is quiet."""
+    from localspec.llama import backend
+
+    monkeypatch.setitem(backend._log_state, "backend_failures", [])
+    backend._on_log(4, b"ggml_cuda_init: failed to initialize CUDA: CUDA driver version is "
+                       b"insufficient for CUDA runtime version\n", None)
+    assert capsys.readouterr().err == ""
+    assert backend.backend_init_failures() == [
+        "ggml_cuda_init: failed to initialize CUDA: CUDA driver version is insufficient for CUDA "
+        "runtime version"]
+    monkeypatch.setattr(backend, "devices", lambda: [])
+    monkeypatch.setattr(backend, "gpu_backends", lambda: ["CUDA"])
+    with pytest.raises(backend.LocalspecError) as e:
+        backend.check_offload(-1)
+    assert "found no device (ggml_cuda_init: failed to initialize CUDA: CUDA driver version" \
+        in str(e.value) and "LOCALSPEC_BACKEND=cpu" in str(e.value)

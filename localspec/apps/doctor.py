@@ -11,7 +11,7 @@ from ..llama.buildflags import cpu_flags, read_cpuinfo
 from ..catalog.models import resolve_model
 from ..spec.compat import check_pair
 from ..llama.libs import exact_lib_status
-from ..llama import (Model, ModelParams, build_has_amx, default_threads, devices, gpu_backends,
+from ..llama import (Model, ModelParams, backend_init_failures, build_has_amx, default_threads, devices, gpu_backends,
                      library_account, supports_gpu_offload, system_info)
 
 
@@ -45,10 +45,10 @@ def backend_lines() -> list:
         memory = f", {d.free_mib} MiB free of {d.total_mib}" if d.total_mib else ""
         lines.append(f"  device {d.name}: {d.description} ({d.type}{memory})")
     if built != "CPU" and not any(d.type in ("GPU", "IGPU") for d in devices()):
-        lines.append(f"  no {built} device found: --gpu-layers will refuse; install the driver, "
-                     "or set GGML_VK_VISIBLE_DEVICES=0 for a CPU-type Vulkan device (lavapipe)"
-                     if built == "Vulkan" else
-                     f"  no {built} device found: --gpu-layers will refuse; install the driver")
+        why = "".join(f" ({f})" for f in backend_init_failures())
+        lines.append(f"  no {built} device found{why}: --gpu-layers will refuse; install the "
+                     "driver" + (", or set GGML_VK_VISIBLE_DEVICES=0 for a CPU-type Vulkan "
+                                 "device (lavapipe)" if built == "Vulkan" else ""))
     try:
         plan = buildflags.host_plan()
         lines.append(f"install.sh here would build: {plan.backend} ({plan.reason})")

@@ -2,15 +2,15 @@
 context lifetimes, the backend and its libraries, RPC, the build flags. `backend.py` is the one
 module that imports `llama_cpp`; `model.py` and `context.py` reach it through `backend.C`."""
 
-from .backend import (Device, backend_version, batch_invariant_rows, build_has_amx,
-                      default_threads, devices, enable_exact_kernels, ggml_function,
-                      gpu_backends, library_account, quantize, set_log_level,
+from .backend import (Device, backend_init_failures, backend_version, batch_invariant_rows,
+                      build_has_amx, default_threads, devices, enable_exact_kernels,
+                      ggml_function, gpu_backends, library_account, quantize, set_log_level,
                       supports_gpu_offload, system_info, tiled_matmul_off)
 from .context import PREFILL_GRID, Context, ContextParams, cold_prefix
 from .model import Model, ModelParams
 
 __all__ = ["PREFILL_GRID", "Context", "ContextParams", "Device", "Model", "ModelParams",
-           "backend_version", "batch_invariant_rows", "build_has_amx", "cold_prefix",
-           "default_threads", "devices",
-           "enable_exact_kernels", "ggml_function", "gpu_backends", "library_account", "quantize",
-           "set_log_level", "supports_gpu_offload", "system_info", "tiled_matmul_off"]
+           "backend_init_failures", "backend_version", "batch_invariant_rows", "build_has_amx",
+           "cold_prefix", "default_threads", "devices", "enable_exact_kernels", "ggml_function",
+           "gpu_backends", "library_account", "quantize", "set_log_level",
+           "supports_gpu_offload", "system_info", "tiled_matmul_off"]

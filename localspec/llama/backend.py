@@ -97,6 +97,13 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     if placement is not None and text and (b"using device " in text or b"offloaded " in text
                                            or b" assigned to device " in text):
         placement.append(text.decode("utf-8", "replace"))   # a load says where layers go
+    if text and b"failed to initialize" in text and level >= 4:
+        # a GPU backend without its driver or device (ggml_cuda_init on a machine with no
+        # NVIDIA driver): said once, in check_offload's error, where it matters; a CPU run of
+        # the same build has nothing to report
+        _log_state.setdefault("backend_failures", []).append(
+            text.decode("utf-8", "replace").strip())
+        return
     if _log_state.get("last_shown") and text:
         captured = _log_state.get("captured")
         if captured is not None:  # a load in progress: its errors become part of our message
@@ -231,6 +238,12 @@ def gpu_backends() -> list:
     return names
 
 
+def backend_init_failures() -> list:
+    """What GPU backends said when they failed to start (no driver, no device), kept off stderr
+    by the log callback: check_offload's error and `localspec doctor` quote it."""
+    return list(_log_state.get("backend_failures", []))
+
+
 def check_offload(n_gpu_layers: int) -> None:
     """Before a load that asks for `n_gpu_layers` on a device: fail in one line, with the fix,
     when there is nowhere to put them (llama.cpp would silently keep every layer on the CPU)."""
@@ -244,6 +257,9 @@ def check_offload(n_gpu_layers: int) -> None:
             "rpc-server` there), or rerun ./install.sh on a machine with a GPU.")
     hidden = " (a CPU-type Vulkan device such as lavapipe is used only when " \
         "GGML_VK_VISIBLE_DEVICES=0 names it)" if "Vulkan" in backends else ""
+    failures = backend_init_failures()
+    if failures:
+        hidden += f" ({'; '.join(failures)})"
     raise LocalspecError(
         f"--gpu-layers: this llama.cpp build has the {'/'.join(backends)} backend but found no "
         f"device{hidden}; install or fix the GPU driver, or reinstall for the CPU with "
