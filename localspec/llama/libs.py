@@ -79,8 +79,8 @@ def choose(exact: Optional[bool], environ=os.environ) -> str:
     """Point llama-cpp-python at the libraries for this process; returns which ones, as a phrase.
     exact None takes INVARIANT_BY_DEFAULT. Without a usable copy the process loads llama.cpp's
     own libraries and the account says why; llama.enable_exact_kernels() then refuses them
-    (--exact), while default mode runs on them with the near-tie guard. A LLAMA_CPP_LIB_PATH the user set is
-    never overridden."""
+    (--exact), while default mode runs on them with the near-tie guard. A LLAMA_CPP_LIB_PATH
+    the user set is never overridden."""
     if environ.get("LLAMA_CPP_LIB_PATH"):
         return f"the libraries in LLAMA_CPP_LIB_PATH={environ['LLAMA_CPP_LIB_PATH']}"
     if not (INVARIANT_BY_DEFAULT if exact is None else exact):
