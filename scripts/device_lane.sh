@@ -8,7 +8,9 @@
 #      wheel is cached per flag set beside the CPU one (~/.cache/localspec/wheels), so a rerun
 #      takes seconds; the CPU venv (.venv) is not touched
 #   3. `localspec doctor` (backend, devices) and pytest -m device, ending with pytest's summary
-#      line; the exit status is pytest's (0 only if every device test passed)
+#      line; the exit status is pytest's (0 only if every device test passed), or 75 when the
+#      machine could not be set up (no apt-get, a package or header download failed): .ci/run
+#      reports that and goes on, since it says nothing about the code
 # llama.cpp skips CPU-type Vulkan devices unless GGML_VK_VISIBLE_DEVICES names them: 0 here.
 # Usage: scripts/device_lane.sh [pytest args]    Env: LOCALSPEC_DEVICE_VENV, GGML_VK_VISIBLE_DEVICES
 set -euo pipefail
@@ -22,13 +24,13 @@ for p in $PACKAGES; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
 done
 if [ -n "$missing" ]; then
-  command -v apt-get >/dev/null || { echo "device_lane.sh: needs$missing (Debian package names)" >&2; exit 1; }
+  command -v apt-get >/dev/null || { echo "device_lane.sh: needs$missing (Debian package names)" >&2; exit 75; }
   SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
   echo "device_lane.sh: apt-get install$missing" >&2
   mkdir -p "$VENV"
   if ! { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive \
          apt-get install -y -qq $missing; } > "$VENV/apt.log" 2>&1; then
-    echo "device_lane.sh: apt-get failed; log: $VENV/apt.log" >&2; tail -n 20 "$VENV/apt.log" >&2; exit 1
+    echo "device_lane.sh: apt-get failed; log: $VENV/apt.log" >&2; tail -n 20 "$VENV/apt.log" >&2; exit 75
   fi
 fi
 
@@ -51,7 +53,7 @@ if [ -z "${VULKAN_SDK:-}" ] && ! grep -q VK_EXT_layer_settings /usr/include/vulk
     if ! { apt-get "${opts[@]}" update -qq && (cd "$apt" && apt-get "${opts[@]}" download \
            libvulkan-dev); } > "$apt/log" 2>&1; then
       echo "device_lane.sh: fetching Debian 13's libvulkan-dev failed:" >&2; tail -n 5 "$apt/log" >&2
-      exit 1
+      exit 75
     fi
     deb=$(ls "$apt"/libvulkan-dev_*.deb)
     dest=$HOME_DIR/vulkan-headers/$(dpkg-deb -f "$deb" Version)
