@@ -82,7 +82,7 @@ class StdioSupervisor:
         self._cmd, self._writer = child_command(argv), writer
         self._lock = threading.Lock()
         self._child: Optional[subprocess.Popen] = None
-        self._pending: dict = {}             # request id -> True, sent to the child, unanswered
+        self._pending: set = set()           # ids (as JSON) sent to the child, unanswered
         self._served = False                 # some child answered something: restart them
         self._stopping = False               # EOF or a signal: the child's end is this one's
 
@@ -95,7 +95,7 @@ class StdioSupervisor:
                 child = self._child or self._spawn()
                 rid = _request_id(line)
                 if rid is not None:
-                    self._pending[json.dumps(rid)] = True
+                    self._pending.add(json.dumps(rid))
             try:
                 child.stdin.write(line + b"\n")
                 child.stdin.flush()
@@ -136,7 +136,7 @@ class StdioSupervisor:
                 msg = None
             if isinstance(msg, dict) and ("result" in msg or "error" in msg):
                 with self._lock:
-                    self._pending.pop(json.dumps(msg.get("id")), None)
+                    self._pending.discard(json.dumps(msg.get("id")))
                     self._served = True
             self._writer.send_raw(line)
 
@@ -149,7 +149,7 @@ class StdioSupervisor:
             if code == 0 or not self._served or self._stopping:
                 os._exit(code if code >= 0 else 128 - code)   # its end is ours; all was written
             why = tap.last_error or f"the engine process ended (status {code})"
-            for key in list(self._pending):
+            for key in sorted(self._pending):
                 self._writer.send({"jsonrpc": "2.0", "id": json.loads(key), "error": {
                     "code": LOST, "message": f"{why} The next request loads the model again."}})
             self._pending.clear()

@@ -289,11 +289,12 @@ def enable_exact_kernels() -> None:
     _load_llama_cpp(exact=True)
     if batch_invariant_rows() == 0:
         if not first_use:
-            raise LocalspecError("--exact must be chosen before this process first uses llama.cpp "
-                                 "(it has loaded llama.cpp's own libraries); set LOCALSPEC_EXACT=1.")
-        raise LocalspecError("--exact needs localspec's batch-invariant build of ggml-cpu, but this "
-                             f"process loaded {library_account()}; rerun ./install.sh (without "
-                             "LOCALSPEC_EXACT_LIBS=0).")
+            raise LocalspecError("--exact must be chosen before this process first uses "
+                                 "llama.cpp (it has loaded llama.cpp's own libraries); set "
+                                 "LOCALSPEC_EXACT=1.")
+        raise LocalspecError("--exact needs localspec's batch-invariant build of ggml-cpu, but "
+                             f"this process loaded {library_account()}; rerun ./install.sh "
+                             "(without LOCALSPEC_EXACT_LIBS=0).")
 
 
 def tiled_matmul_off() -> bool:

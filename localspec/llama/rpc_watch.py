@@ -31,7 +31,8 @@ _SCAN_S = 0.25              # how often new sockets of ggml's are looked for
 
 def timeout_s() -> float:
     """LOCALSPEC_RPC_TIMEOUT, checked: seconds a server may stay silent in one exchange."""
-    return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "seconds", "how long an RPC server may stay silent")
+    return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "seconds",
+                      "how long an RPC server may stay silent")
 
 
 def peers_of(endpoints: Iterable[str], split: Callable[[str], tuple]) -> set:

@@ -31,8 +31,8 @@ UNKNOWN_SLOPE = 0.3       # r(k) = 1 + 0.3 k where no batch was timed yet: a mid
 
 def first_run_budget() -> float:
     """Seconds a run may spend timing batches before it answers (LOCALSPEC_CALIBRATION_S)."""
-    return env_number(BUDGET_ENV, FIRST_RUN_BUDGET_S, "seconds", "how long a run may time verify batches "
-                       "before it answers", zero_ok=True)
+    return env_number(BUDGET_ENV, FIRST_RUN_BUDGET_S, "seconds",
+                      "how long a run may time verify batches before it answers", zero_ok=True)
 
 
 def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
@@ -297,9 +297,10 @@ def _parse_curve(data, k_max: int, key: str):
         if isinstance(data.get("stability"), dict):
             notes["stability"] = Stability(**data["stability"])
         samples = data.get("samples", {})
-        if isinstance(samples, dict) and all(
+        names = {"t0", *map(str, range(1, k_max + 1))}
+        if isinstance(samples, dict) and set(samples) <= names and all(
                 isinstance(v, list) and all(isinstance(x, (int, float)) and x > 0 for x in v)
-                for v in samples.values()) and set(samples) <= {"t0", *map(str, range(1, k_max + 1))}:
+                for v in samples.values()):
             notes["samples"] = samples
         elif not notes["complete"]:
             return None                  # an unfinished curve without its samples: start over

@@ -32,7 +32,8 @@ class EngineConfig:
     cache_mb: Optional[float] = None      # RAM for saved prompt KV states (cache/prompt_cache.py);
                                           # None: two full contexts' worth, 0: no prompt cache
     cache_disk: bool = False              # also keep them under <home>/prompt-cache (restarts)
-    exact: bool = False                   # batch-invariant CPU kernels: speculative == plain, bit for bit
+    exact: bool = False                   # insist on the batch-invariant CPU kernels (loaded by
+                                          # default anyway): an error without them
     tie_margin: float = 0.25              # greedy, batches not trusted (GPU, RPC, llama.cpp's own
                                           # kernels): rows closer than this are re-decided
     ngram_min: int = 1

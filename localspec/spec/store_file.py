@@ -20,7 +20,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -172,15 +171,12 @@ class LearningStore:
     and `learn` (False: outputs are not added, the file is only read). Requests call
     begin_output(), add() per step, end_output()."""
 
-    def __init__(self, store: DraftStore, file: Optional[StoreFile] = None, learn: bool = True,
-                 save_every_s: float = 0.0):
+    def __init__(self, store: DraftStore, file: Optional[StoreFile] = None, learn: bool = True):
         self.store, self.file, self.learn = store, file, learn
-        self.save_every_s = save_every_s
         self._pending: list = []           # tokens added since the last save
         self.hits = TRUST_PRIOR            # decayed share of store offers whose first token
                                            # was right, across requests
         self._open = False                 # an output is being added
-        self._saved_at = 0.0
 
     @classmethod
     def for_model(cls, model_path: Path, model_name: str, mb: Optional[float] = None,
@@ -194,9 +190,7 @@ class LearningStore:
         if disk:
             path, key = store_path(model_path)
             file = StoreFile(path, key, model_name, capacity)
-            t0 = time.perf_counter()
             store.extend(file.load())
-            store.load_ms = 1000 * (time.perf_counter() - t0)
         return cls(store, file, learn)
 
     def checked(self, right: bool) -> None:
@@ -230,8 +224,7 @@ class LearningStore:
         self._open = False
         self.store.extend([BREAK])
         self._pending.append(BREAK)
-        if time.monotonic() - self._saved_at >= self.save_every_s:
-            self.flush()
+        self.flush()
 
     def remember(self, tokens: Sequence[int], prompt: Sequence[int] = ()) -> None:
         """Add one finished output (after the end of its prompt) at once: the bench and the
@@ -252,7 +245,6 @@ class LearningStore:
             return
         if self.file.save(self._pending):
             self._pending = []
-            self._saved_at = time.monotonic()
         else:
             del self._pending[:-self.store.capacity]
 
