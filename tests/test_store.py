@@ -130,6 +130,25 @@ def test_round_trip_owner_only_and_merge(home, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_trust_is_saved_with_the_store_and_read_back_on_the_next_start(home, tiny_path):
+    first = LearningStore.for_model(tiny_path, "tiny.gguf")
+    assert first.hits == store_file.TRUST_PRIOR
+    for right in (True, True, True, False, True):          # an agent loop's store earns trust
+        first.checked(right)
+    first.begin_output([1, 2])
+    first.add([3, 4, 5])
+    first.close()                                           # saved with the output
+    again = LearningStore.for_model(tiny_path, "tiny.gguf")
+    assert again.hits == pytest.approx(first.hits, abs=1e-6) and again.trust > 0
+    again.close()
+    path = store_file.store_path(tiny_path)[0]
+    header, _ = read_store(path, None)
+    assert header["meta"]["trust_hits"] == pytest.approx(first.hits, abs=1e-6)
+    for bad in (7, -1, "high", True, None):                 # out of range or not a number
+        header["meta"]["trust_hits"] = bad
+        assert store_file.saved_hits(header) is None
+
+
 def test_the_file_keeps_the_newest_tokens_within_the_budget(home):
     path = store_file.store_dir() / "m.lsds"
     f = saved(path, list(range(50)) + [BREAK], capacity=40)
@@ -292,7 +311,8 @@ def test_generate_learns_stats_say_so_and_store_clear_empties_it(home, tiny_path
     assert again.stdout == first.stdout
     assert "tokens from the draft store" in again.stderr
     listing = _cli("store", "stats", home=home).stdout
-    assert "tiny-target.gguf: " in listing and " 2 outputs" in listing
+    assert "tiny-target.gguf: " in listing and " 2 outputs, " in listing
+    assert "of recent offers right" in listing
     assert _cli("store", "clear", "-m", str(tiny_path), home=home).returncode == 0
     assert "no stores yet" in _cli("store", "stats", home=home).stdout
 

@@ -8,7 +8,8 @@ import click
 
 from ..catalog.models import resolve_model
 from ..spec.store import bytes_per_token, capacity_for
-from ..spec.store_file import BREAK, ENV_MB, budget_mb, clear_stores, list_stores, store_path
+from ..spec.store_file import (BREAK, ENV_MB, budget_mb, clear_stores, list_stores, saved_hits,
+                               store_path)
 from .options import COMMAND
 
 
@@ -32,7 +33,8 @@ def store() -> None:
 
 @store.command("stats")
 def stats() -> None:
-    """One line per model's store: tokens, outputs, file size, last change, path."""
+    """One line per model's store: tokens, outputs, recent offers right, file size, last
+    change, path."""
     budget = budget_mb()
     cap = capacity_for(budget)
     click.echo(f"budget: {budget:g} MB of RAM per model ({ENV_MB}), up to {cap:,} tokens "
@@ -45,8 +47,10 @@ def stats() -> None:
             click.echo(f"{path.name}: unusable ({why}); the next run rebuilds it")
             continue
         when = datetime.datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+        hits = saved_hits(header)
+        right = f"{hits:.0%} of recent offers right, " if hits is not None else ""
         click.echo(f"{header.get('model', '?')}: {len(tokens) - int((tokens == BREAK).sum()):,} "
-                   f"tokens in {int((tokens == BREAK).sum()):,} outputs, "
+                   f"tokens in {int((tokens == BREAK).sum()):,} outputs, {right}"
                    f"{path.stat().st_size / 1e6:.2f} MB, {when}, {path}")
 
 

@@ -68,6 +68,15 @@ def store_path(model_path: Path) -> tuple:
     return store_dir() / f"{Path(model_path).stem}-{key[:16]}{SUFFIX}", key[:32]
 
 
+def saved_hits(header: dict) -> Optional[float]:
+    """The trust a store file was saved with (a share in 0..1), or None (none, or not a
+    number in range: the prior is used)."""
+    hits = (header.get("meta") or {}).get("trust_hits")
+    if isinstance(hits, (int, float)) and not isinstance(hits, bool) and 0.0 <= hits <= 1.0:
+        return float(hits)
+    return None
+
+
 def read_store(path: Path, key: Optional[str]) -> tuple:
     """(header, tokens [n] int32) of a store file; Rejected (why in a few words) if it is not
     one, damaged, of another store version, or (with `key`) another model's."""
@@ -91,6 +100,7 @@ class StoreFile:
     def __init__(self, path: Path, key: str, model_name: str, capacity: int):
         self.path, self.key, self.model_name, self.capacity = Path(path), key, model_name, capacity
         self.warned = False
+        self.hits: Optional[float] = None    # the saved trust (LearningStore.hits), if any
 
     def _warn(self, what: str) -> None:
         if not self.warned:
@@ -104,7 +114,9 @@ class StoreFile:
         """The stored tokens (newest `capacity`); none, with one warning, if the file cannot be
         used; such a file is removed (the next save writes a valid one)."""
         try:
-            return read_store(self.path, self.key)[1][-self.capacity:]
+            header, tokens = read_store(self.path, self.key)
+            self.hits = saved_hits(header)
+            return tokens[-self.capacity:]
         except FileNotFoundError:
             return np.zeros(0, np.int32)
         except Rejected as e:
@@ -122,10 +134,11 @@ class StoreFile:
         except OSError:
             pass
 
-    def save(self, new: Sequence[int]) -> bool:
+    def save(self, new: Sequence[int], hits: Optional[float] = None) -> bool:
         """Append `new` (this process's outputs since its last save) to the file as it is now,
-        keep the newest `capacity` tokens, write it atomically. False (one warning per process)
-        when the disk refuses: the caller keeps `new` for the next try."""
+        keep the newest `capacity` tokens, write it atomically with `hits` (the trust: the
+        last process to save sets it). False (one warning per process) when the disk refuses:
+        the caller keeps `new` for the next try."""
         new = np.asarray(new, np.int32)
         try:
             with self._lock():
@@ -135,8 +148,11 @@ class StoreFile:
                 except (FileNotFoundError, Rejected):
                     base = np.zeros(0, np.int32)       # damaged or foreign: rebuilt from here
                 tokens = trim(np.concatenate([base, new]), self.capacity)
-                write_file(self.path, self.key, tokens, _EMPTY, self.model_name,
-                           meta={"store_version": STORE_VERSION}, mode=0o600)
+                meta = {"store_version": STORE_VERSION}
+                if hits is not None:
+                    meta["trust_hits"] = round(float(hits), 6)
+                write_file(self.path, self.key, tokens, _EMPTY, self.model_name, meta=meta,
+                           mode=0o600)
             return True
         except OSError as e:
             hint = "free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
@@ -175,7 +191,10 @@ class LearningStore:
         self.store, self.file, self.learn = store, file, learn
         self._pending: list = []           # tokens added since the last save
         self.hits = TRUST_PRIOR            # decayed share of store offers whose first token
-                                           # was right, across requests
+                                           # was right, across requests and (saved with the
+                                           # file) restarts: an agent script's every call
+        if file is not None and file.hits is not None:
+            self.hits = file.hits
         self._open = False                 # an output is being added
 
     @classmethod
@@ -243,7 +262,7 @@ class LearningStore:
         disk refuses (at most the store's capacity of it: the newest)."""
         if self.file is None or not self._pending:
             return
-        if self.file.save(self._pending):
+        if self.file.save(self._pending, self.hits):
             self._pending = []
         else:
             del self._pending[:-self.store.capacity]
