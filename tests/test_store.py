@@ -385,6 +385,21 @@ def test_session_replay_on_the_recorded_sessions():
     assert all(abs(r[4] - r[2]) < 1e-9 for r in lone)
 
 
+def test_the_store_corrections_are_the_documented_fit_and_hold_on_held_out_sessions():
+    """STORE_WEIGHTS are what `session_replay fit` gives on the recorded sessions, and on
+    sessions recorded apart (other modules, another agent task, other questions) they predict
+    the store's drafts better than the two-term correction they replaced."""
+    from localspec.policy.acceptance import STORE_TERMS, STORE_WEIGHTS
+    from tools import replay as rp
+    from tools.session_replay import fit_store, store_loss, store_rows
+    train = store_rows(rp.load(str(REPO / "tests" / "data" / "sessions_zen4.json")))
+    held = store_rows(rp.load(str(REPO / "tests" / "data" / "sessions_heldout_zen4.json")))
+    assert fit_store(train, STORE_TERMS) == pytest.approx(STORE_WEIGHTS, abs=2e-3)
+    assert {r[0] for r in held} == {"editor", "agent", "summarize", "chat"}
+    before = (-0.5, 0.668, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert store_loss(held, STORE_WEIGHTS) < store_loss(held, before) - 0.05
+
+
 @pytest.mark.parametrize("value", ["-1", "nan", "lots"])
 def test_a_bad_budget_is_one_error_naming_the_variable(monkeypatch, value):
     from localspec.errors import LocalspecError

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections import OrderedDict
+from typing import Sequence
 
+from localspec.policy.acceptance import STORE_TERMS
 from localspec.policy.adaptive import AdaptivePolicy
 from localspec.policy.config import PolicyConfig
 from localspec.policy.costmodel import CostConfig, CostModel
@@ -71,15 +74,16 @@ def replay_sessions(cases: list, curve: list, config: PolicyConfig = PolicyConfi
     return rows
 
 
-def store_rows(cases: list, k_max: int = K_MAX) -> tuple:
-    """(z, y, depth) over every position where the draft store has a proposal, sessions
-    replayed in order: z the acceptance prior's logit of each draft position up to the first
-    miss (no store bias), y whether it matched the recorded output. The request state is kept
+def store_rows(cases: list, k_max: int = K_MAX) -> list:
+    """[(session, z, y, depth, terms)] for every draft position up to the first miss wherever the
+    draft store has a proposal, sessions replayed in order: z the acceptance prior's logit with
+    the store's trust and no store corrections, y whether it matched the recorded output,
+    terms the values acceptance.STORE_TERMS weigh at that position. The request state is kept
     as plain decoding sees it (tools/replay.py training_rows)."""
-    from localspec.policy.acceptance import AcceptanceConfig, AcceptanceModel, RequestState
-    model = AcceptanceModel(AcceptanceConfig(store_bias=0.0))
-    z, y, depth, lens = [], [], [], []
-    for group in sessions_of(cases).values():
+    from localspec.policy.acceptance import AcceptanceConfig, AcceptanceModel, RequestState, phis
+    model = AcceptanceModel(AcceptanceConfig(store_weights=(0.0,) * len(STORE_TERMS)))
+    rows = []
+    for name, group in sessions_of(cases).items():
         store = LearningStore(DraftStore(capacity_for(64)), None, learn=False)
         for c in group:
             out, n, state = c.out, len(c.out), RequestState()
@@ -91,37 +95,76 @@ def store_rows(cases: list, k_max: int = K_MAX) -> tuple:
                     if f is not None:
                         run = rp.run_length(f.tokens, out, t)
                         m = min(run + 1, len(f.tokens))
-                        z.extend(model.base_logits(f, m, state))
-                        y.extend(float(i < run) for i in range(m))
-                        depth.extend(range(m))
-                        lens.extend([f.ngram_len] * m)
+                        x = phis(f, m, state)
+                        for i, z in enumerate(model.base_logits(f, m, state)):
+                            terms = (1.0, math.log(f.ngram_len / 4), x[i, 2] - 1.0, x[i, 3],
+                                     x[i, 5], x[i, 4], x[i, 6])
+                            rows.append((name, z, float(i < run), i, terms))
                     state.verified(prop.features(min(k_max, n - t)), 0, 0, out[t:t + 1])
                     prop.accept(out[t:t + 1])
             finally:
                 rp._close(prop)
             store.remember(out, c.prompt)
         store.close()
-    return z, y, depth, lens
+    return rows
 
 
-def fit_bias(z, y, depth, lens) -> tuple:
-    """(store_bias, store_len) maximising the likelihood of y under
-    sigmoid(z + store_bias + store_len log(len / 4)), each position weighted 1 / (1 + depth)
-    as the prior's fit weighs them (Newton steps, a small L2 pull to 0)."""
+def fit_store(rows: list, terms: Sequence[str], l2: float = 0.1) -> tuple:
+    """Store corrections (acceptance.STORE_WEIGHTS order; the terms not named stay 0) that
+    maximise the likelihood of y under sigmoid(z + corrections), each position weighted
+    1 / (1 + depth) as the prior's fit weighs them (Newton steps, a small L2 pull to 0)."""
     import numpy as np
-    z, y = np.asarray(z), np.asarray(y)
-    w = 1.0 / (1.0 + np.asarray(depth))
-    X = np.stack([np.ones(len(y)), np.log(np.asarray(lens) / 4.0)], axis=1)
-    b = np.zeros(2)
-    for _ in range(50):
+    cols = [STORE_TERMS.index(t) for t in terms]
+    z, y, w, X = _arrays(rows, cols)
+    b = np.zeros(len(cols))
+    for _ in range(60):
         p = 1.0 / (1.0 + np.exp(-(z + X @ b)))
-        grad = X.T @ (w * (p - y)) + 0.1 * b
-        hess = (X * (w * p * (1 - p))[:, None]).T @ X + 0.1 * np.eye(2)
+        grad = X.T @ (w * (p - y)) + l2 * b
+        hess = (X * (w * p * (1 - p))[:, None]).T @ X + l2 * np.eye(len(cols))
         step = np.linalg.solve(hess, grad)
         b -= step
         if np.abs(step).max() < 1e-9:
             break
-    return float(b[0]), float(b[1])
+    weights = [0.0] * len(STORE_TERMS)
+    for c, v in zip(cols, b):
+        weights[c] = round(float(v), 3)
+    return tuple(weights)
+
+
+def store_loss(rows: list, weights: Sequence[float]) -> float:
+    """Weighted log loss per position of `rows` under store corrections `weights`."""
+    import numpy as np
+    z, y, w, X = _arrays(rows, range(len(weights)))
+    p = np.clip(1.0 / (1.0 + np.exp(-(z + X @ np.asarray(weights)))), 1e-9, 1 - 1e-9)
+    return float(np.sum(w * -(y * np.log(p) + (1 - y) * np.log(1 - p))) / np.sum(w))
+
+
+def _arrays(rows: list, cols) -> tuple:
+    import numpy as np
+    z = np.array([r[1] for r in rows])
+    y = np.array([r[2] for r in rows])
+    w = 1.0 / (1.0 + np.array([r[3] for r in rows]))
+    X = np.array([[r[4][c] for c in cols] for r in rows]).reshape(len(rows), -1)
+    return z, y, w, X
+
+
+def fit_report(train: list, test: list, terms: Sequence[str]) -> None:
+    """Fit store corrections on `train` rows and print their log loss beside the shipped
+    STORE_WEIGHTS': on train, leaving each session out in turn (fitted on the others), and on
+    the held-out `test` rows."""
+    from localspec.policy.acceptance import STORE_WEIGHTS
+    weights = fit_store(train, terms)
+    sessions = OrderedDict((r[0], None) for r in train)
+    loso = sum(store_loss(held, fit_store([r for r in train if r[0] != s], terms)) * len(held)
+               for s in sessions for held in [[r for r in train if r[0] == s]]) / len(train)
+    print(f"{len(train)} store positions, {sum(r[2] for r in train) / len(train):.1%} matched")
+    print(f"fitted  {weights}: loss {store_loss(train, weights):.4f}, "
+          f"each session left out {loso:.4f}")
+    print(f"shipped {STORE_WEIGHTS}: loss {store_loss(train, STORE_WEIGHTS):.4f}")
+    if test:
+        print(f"held out: {len(test)} positions, {sum(r[2] for r in test) / len(test):.1%} "
+              f"matched: fitted {store_loss(test, weights):.4f}, "
+              f"shipped {store_loss(test, STORE_WEIGHTS):.4f}")
 
 
 def report(rows: list, title: str, per_case: bool = False) -> None:
@@ -153,10 +196,13 @@ def main(argv=None) -> None:
     rep.add_argument("--threads", type=int, default=2)
     rep.add_argument("--per-case", action="store_true")
     rep.add_argument("--store-evidence", type=int, default=PolicyConfig().store_evidence)
-    rep.add_argument("--store-bias", type=float, nargs=2, default=None,
-                     metavar=("BIAS", "LEN"))
+    rep.add_argument("--store-weights", default=None, metavar="W,W,...",
+                     help="store corrections in acceptance.STORE_TERMS order")
     ft = sub.add_parser("fit")
-    ft.add_argument("paths", nargs="+")
+    ft.add_argument("paths", nargs="+", help="recordings to fit on")
+    ft.add_argument("--terms", default=",".join(STORE_TERMS),
+                    help="the STORE_TERMS to fit (the others stay 0)")
+    ft.add_argument("--test", nargs="*", default=[], help="held-out recordings to score")
     a = ap.parse_args(argv)
     if a.cmd == "record":
         from tools.replay_record import record
@@ -164,13 +210,8 @@ def main(argv=None) -> None:
                workloads=a.workloads, model=a.model)
         return
     if a.cmd == "fit":
-        z, y, depth, lens = [], [], [], []
-        for path in a.paths:
-            for part, rows in zip((z, y, depth, lens), store_rows(rp.load(path))):
-                part.extend(rows)
-        bias, per_len = fit_bias(z, y, depth, lens)
-        print(f"{len(y)} store positions, {sum(y) / max(len(y), 1):.1%} matched: "
-              f"store_bias = {bias:.3f}, store_len = {per_len:.3f}")
+        fit_report([r for p in a.paths for r in store_rows(rp.load(p))],
+                   [r for p in a.test for r in store_rows(rp.load(p))], a.terms.split(","))
         return
     import json
     with open(a.path) as f:
@@ -180,9 +221,10 @@ def main(argv=None) -> None:
         name, curve = curve_of(spec, model, a.threads)
         shown = ", ".join(f"{r:.2f}" for r in curve[1:9])
         config = PolicyConfig(store_evidence=a.store_evidence)
-        if a.store_bias is not None:
+        if a.store_weights is not None:
+            weights = tuple(float(w) for w in a.store_weights.split(","))
             config = dataclasses.replace(config, acceptance=dataclasses.replace(
-                config.acceptance, store_bias=a.store_bias[0], store_len=a.store_bias[1]))
+                config.acceptance, store_weights=weights))
         report(replay_sessions(cases, curve, config), f"curve {name}: r(1..8) = {shown}",
                a.per_case)
 

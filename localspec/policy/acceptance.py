@@ -171,12 +171,17 @@ def _sigmoid(z: float) -> float:
 
 
 # The prior weights were fitted on prompt lookup's proposals. A draft-store proposal with the same
-# features is right more or less often, mostly by how long its context is: a 2-token context
-# from another request is noise more often than not, a 5-token one in a session nearly always
-# right. Two terms, fitted on the store's proposals over recorded sessions and over unrelated
-# requests replayed as sessions (`python -m tools.session_replay fit`), say how much:
-# logit += store_bias + store_len * log(ngram_len / 4).
-STORE_BIAS, STORE_LEN = -0.5, 0.668
+# features is right more or less often: its counts come from other requests, so a branch point
+# (a share under 1: the tool name after `{"tool": "`) says more, and a long context, a long
+# streak or deep positions less, than in the request's own text. Corrections for store
+# positions, added to the prior logit: bias + len log(ngram_len / 4) + share (share_i - 1) +
+# lone [n_occ <= 1] + streak log(1 + streak) + support log(1 + agree_i) + depth log(1 + i).
+# Fitted by likelihood on the store's proposals over the recorded sessions
+# (`python -m tools.session_replay fit tests/data/sessions_zen4.json --terms ...`) and checked
+# on held-out sessions (tests/data/sessions_heldout_zen4.json): log loss 0.478 there, against
+# 0.558 for the earlier bias + len pair (docs/store.md).
+STORE_TERMS = ("bias", "len", "share", "lone", "streak", "support", "depth")
+STORE_WEIGHTS = (1.125, -0.586, 3.067, -0.105, -1.068, -0.526, -0.73)
 
 
 @dataclass(frozen=True)
@@ -187,8 +192,7 @@ class AcceptanceConfig:
     offset_limit: float = 3.0     # |offset| cap, in logits
     p_floor: float = 0.001
     p_ceil: float = 0.995         # nothing is certain: a copied run ends somewhere
-    store_bias: float = STORE_BIAS  # logit added to draft-store positions (above)
-    store_len: float = STORE_LEN    # and per log of their context length over 4
+    store_weights: tuple = STORE_WEIGHTS  # corrections of draft-store positions (above)
 
 
 @dataclass
@@ -214,12 +218,18 @@ class AcceptanceModel:
         positions, where a dozen numpy calls cost more than the arithmetic (~3x, measured)."""
         w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10 = self._wl
         recent = state.recent
-        const = w0 + w3 * (f.n_occ <= 1) + w5 * math.log1p(min(state.streak, 64)) + w7 * recent
+        lone_occ, log_streak = float(f.n_occ <= 1), math.log1p(min(state.streak, 64))
+        const = w0 + w3 * lone_occ + w5 * log_streak + w7 * recent
+        s_share = s_support = s_depth = 0.0
         if f.source == "store":
-            const += self.config.store_bias + self.config.store_len * math.log(f.ngram_len / 4) \
-                + f.trust
+            sb, sl, s_share, s_lone, s_streak, s_support, s_depth = self.config.store_weights
+            const += sb + sl * math.log(f.ngram_len / 4) + s_lone * lone_occ + \
+                s_streak * log_streak + f.trust - s_share
+            w2, w4 = w2 + s_share, w4 + s_support
         newline = w8 + w10 * recent
         pos = self._position_terms(f.ngram_len, n)
+        if s_depth:
+            pos = [pos[i] + s_depth * _LOG1P[i] for i in range(n)]
         agree, breaks = f.agree, f.breaks
         lone = w2 + w4 * _LOG2          # no support counts: one occurrence that agrees
         z, prev = [], f.n_occ
@@ -285,6 +295,7 @@ class AcceptanceModel:
 
 _POSITIONS = 32       # position terms tabled at first use (k_max is 16 by default)
 _LOG2 = math.log(2.0)
+_LOG1P = [math.log1p(i) for i in range(_POSITIONS)]
 
 
 def expected_tokens(p: Sequence[float], k: int) -> float:
