@@ -371,14 +371,16 @@ def test_the_index_starts_small_and_grows_to_the_budget():
 def test_session_replay_on_the_recorded_sessions():
     """The shipped recording of the shipped sessions (Qwen2.5-Coder-1.5B greedy, Zen 4):
     every session replays, the store never lowers the future-knowing bound (it only adds
-    offers), and a case outside any session has an empty store (store == ngram exactly)."""
+    offers), a policy shown only the right offers stays under it, and a case outside any
+    session has an empty store (store == ngram exactly)."""
     from tools import replay as rp
     from tools.session_replay import curve_of, replay_sessions
     cases = rp.load(str(REPO / "tests" / "data" / "sessions_zen4.json"))
     _, flat = curve_of("flat", "", 2)
-    rows = replay_sessions(cases, flat)
+    rows = replay_sessions(cases, flat, oracle=True)
     assert {r[0] for r in rows} == {"editor", "agent", "summarize", "chat"}
     assert all(r[5] >= r[3] - 1e-9 for r in rows)
+    assert all(r[6] <= r[5] + 1e-9 for r in rows)     # knowing which offers are right: <= bound
     first = [r for r in rows if r[1] in ("editor-1-mean", "agent-1")]
     assert all(abs(r[4] - r[2]) < 1e-9 for r in first)         # each session starts empty
     lone = replay_sessions([dataclasses.replace(c, session=None) for c in cases[:3]], flat)

@@ -175,10 +175,13 @@ def jitter(sigma: float, seed: str) -> Callable[[float], float]:
 def replay_case(case: Recorded, make_policy: Callable, curve: Sequence[float], *,
                 propose_cost: float = 0.0, tie_margin: float = 0.25, ngram_max: int = 8,
                 tie: str = "earliest", k_max: int = 16, trace: Optional[list] = None,
-                timing_noise: float = 0.0, seed: int = 0, store=None) -> CaseScore:
+                timing_noise: float = 0.0, seed: int = 0, store=None,
+                first_oracle: bool = False) -> CaseScore:
     """Run one recorded case through NgramProposer + make_policy() against the true `curve`;
     `trace` (a list) collects (t, k, n_accepted, n_emitted, matching run) per step;
-    `timing_noise` > 0: the policy is told jittered times (jitter(), seeded by seed and case)."""
+    `timing_noise` > 0: the policy is told jittered times (jitter(), seeded by seed and case);
+    `first_oracle`: offers whose first token is wrong are withheld from the policy (a ceiling:
+    what knowing which offers are right, but not how far, would give)."""
     out, n = case.out, len(case.out)
     policy = make_policy()
     told = jitter(timing_noise, f"{seed}:{case.id}") if timing_noise > 0 else (lambda ms: ms)
@@ -190,6 +193,8 @@ def replay_case(case: Recorded, make_policy: Callable, curve: Sequence[float], *
         while t < n:
             # the engine's way: the proposer offers, the policy chooses k, k tokens are drafted
             offers = [] if recheck else prop.offers(min(k_max, n - t, policy.config.k_max))
+            if first_oracle:
+                offers = [o for o in offers if o.features.tokens[0] == out[t]]
             f, k = choose(policy, offers)
             drafts = list(f.tokens[:k]) if f is not None else []
             k = len(drafts)

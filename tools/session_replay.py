@@ -2,17 +2,24 @@
 outputs of workload sessions, in decode-time units on several cost curves (no model, no noise).
 
     python -m tools.session_replay record sessions.json [--threads 2] [--model default]
-    python -m tools.session_replay replay sessions.json [--curve here,flat,1,1.9,2.5,...]
+    python -m tools.session_replay replay sessions.json [--curve here,flat,1/1.9/2.5/...]
+                                                        [--per-case] [--oracle]
+    python -m tools.session_replay fit sessions.json [--terms bias,len,...] [--test other.json]
 
-`record` records every case of localspec/data/sessions.jsonl (tools/replay_record.py: the plain
-output, top-2 margins). `replay` replays each session in file order twice with the real
-proposer and the adaptive policy (tools/replay.py): `ngram` (prompt lookup alone) and `store`
-(prompt lookup + the draft store, which starts each session empty and gets each request's
-recorded output once the request is done, as `localspec bench` does). Beside each figure, the
-future-knowing bound of that mode: the best any policy drafting prefixes of its offers could do.
-Curves: `here` (this machine's newest `localspec calibrate` of the recording's model),
-`flat` (r(k) = 1 + 0.05 k, GPU-like), a calibration or bench JSON file, or r(0..) as numbers
-separated by `/` (e.g. 1/1.9/2.5/3.1). A design tool: it prints and asserts nothing.
+`record` records every case of localspec/data/sessions.jsonl or `--workloads FILE`
+(tools/replay_record.py: the plain output, top-2 margins). `replay` replays each session in file
+order twice with the real proposer and the adaptive policy (tools/replay.py): `ngram` (prompt
+lookup alone) and `store` (prompt lookup + the draft store, which starts each session empty and
+gets each request's recorded output once the request is done, as `localspec bench` does). Beside
+each figure, the future-knowing bound of that mode: the best any policy drafting prefixes of its
+offers could do. Curves: `here` (this machine's newest `localspec calibrate` of the recording's
+model), `flat` (r(k) = 1 + 0.05 k, GPU-like), a calibration or bench JSON file, or r(0..) as
+numbers separated by `/` (e.g. 1/1.9/2.5/3.1). `--oracle` adds the store mode with only the offers
+whose first token is right shown to the policy: how much of the gap to the bound is not knowing
+which offers are right, and how much not knowing how far they run. `fit` fits the acceptance
+model's draft-store corrections (acceptance.STORE_TERMS) by likelihood and scores them, with the
+shipped ones, on each session left out and on held-out recordings. A design tool: it prints and
+asserts nothing.
 """
 from __future__ import annotations
 
@@ -55,8 +62,11 @@ def sessions_of(cases: list) -> "OrderedDict":
     return groups
 
 
-def replay_sessions(cases: list, curve: list, config: PolicyConfig = PolicyConfig()) -> list:
-    """[(session, case id, ngram speedup, its bound, store speedup, its bound)]."""
+def replay_sessions(cases: list, curve: list, config: PolicyConfig = PolicyConfig(),
+                    oracle: bool = False) -> list:
+    """[(session, case id, ngram speedup, its bound, store speedup, its bound)], and with
+    `oracle` the store mode's speedup when only offers with a right first token are shown to
+    the policy (replay_case's first_oracle)."""
     make = lambda: AdaptivePolicy(CostModel(curve, rp.BASE_MS, CostConfig()), config)  # noqa
     rows = []
     for name, group in sessions_of(cases).items():
@@ -68,6 +78,9 @@ def replay_sessions(cases: list, curve: list, config: PolicyConfig = PolicyConfi
                 with_store = rp.replay_case(c, make, curve, store=store).speedup
                 store_bound = rp.bound_case(c, curve, store=store)
                 rows.append((name, c.id, ngram, ngram_bound, with_store, store_bound))
+                if oracle:
+                    rows[-1] += (rp.replay_case(c, make, curve, store=store,
+                                                first_oracle=True).speedup,)
                 store.remember(c.out, c.prompt)
         finally:
             store.close()
@@ -169,16 +182,18 @@ def fit_report(train: list, test: list, terms: Sequence[str]) -> None:
 
 def report(rows: list, title: str, per_case: bool = False) -> None:
     print(f"\n{title}")
+    oracle = len(rows[0]) > 6
     print(f"{'session':<12} {'cases':>5} {'ngram':>7} {'bound':>7} {'store':>7} {'bound':>7} "
-          f"{'store/ngram':>11} {'store/bound':>11}")
+          f"{'store/ngram':>11} {'store/bound':>11}" + ("  oracle/bound" if oracle else ""))
     for name in OrderedDict((r[0], None) for r in rows):
         sel = [r for r in rows if r[0] == name]
-        g = [rp.geomean([r[i] for r in sel]) for i in range(2, 6)]
+        g = [rp.geomean([r[i] for r in sel]) for i in range(2, len(rows[0]))]
         print(f"{name:<12} {len(sel):>5} {g[0]:>6.2f}x {g[1]:>6.2f}x {g[2]:>6.2f}x {g[3]:>6.2f}x "
-              f"{g[2] / g[0]:>10.3f}x {g[2] / g[3]:>10.0%}")
+              f"{g[2] / g[0]:>10.3f}x {g[2] / g[3]:>10.0%}" +
+              (f" {g[4]:>6.2f}x {g[4] / g[3]:.0%}" if oracle else ""))
         if per_case:
             for r in sel:
-                print(f"  {r[1]:<24} {r[2]:>6.2f}x {r[3]:>6.2f}x {r[4]:>6.2f}x {r[5]:>6.2f}x")
+                print(f"  {r[1]:<24} " + " ".join(f"{x:>6.2f}x" for x in r[2:]))
 
 
 def main(argv=None) -> None:
@@ -195,6 +210,8 @@ def main(argv=None) -> None:
     rep.add_argument("--curve", default="here,flat")
     rep.add_argument("--threads", type=int, default=2)
     rep.add_argument("--per-case", action="store_true")
+    rep.add_argument("--oracle", action="store_true",
+                     help="also the store mode with only right-first-token offers shown")
     rep.add_argument("--store-evidence", type=int, default=PolicyConfig().store_evidence)
     rep.add_argument("--store-weights", default=None, metavar="W,W,...",
                      help="store corrections in acceptance.STORE_TERMS order")
@@ -225,8 +242,8 @@ def main(argv=None) -> None:
             weights = tuple(float(w) for w in a.store_weights.split(","))
             config = dataclasses.replace(config, acceptance=dataclasses.replace(
                 config.acceptance, store_weights=weights))
-        report(replay_sessions(cases, curve, config), f"curve {name}: r(1..8) = {shown}",
-               a.per_case)
+        report(replay_sessions(cases, curve, config, a.oracle),
+               f"curve {name}: r(1..8) = {shown}", a.per_case)
 
 
 if __name__ == "__main__":
