@@ -63,8 +63,18 @@ def test_fast_logits_are_the_feature_matrix_times_the_weights():
                           n_occ=max(agree[0], int(rng.integers(0, 8))), agree=agree,
                           breaks=rng.integers(0, 3, n).tolist() if rng.random() < 0.7 else None)
         st = RequestState(streak=int(rng.integers(0, 80)), recent=float(rng.random()))
-        want = acceptance.phis(f, n, st) @ np.asarray(acceptance.PRIOR_WEIGHTS)
+        x = acceptance.phis(f, n, st)
+        want = x @ np.asarray(acceptance.PRIOR_WEIGHTS)
         np.testing.assert_allclose(model.base_logits(f, n, st), want, rtol=1e-12, atol=1e-12)
+        # a draft-store offer: its corrections (acceptance.STORE_TERMS) on the same features
+        trust = float(rng.normal())
+        g = replace(f, source="store", breaks=None, trust=trust)
+        x = acceptance.phis(g, n, st)
+        terms = np.stack([np.ones(n), np.full(n, np.log(g.ngram_len / 4)), x[:, 2] - 1.0,
+                          x[:, 3], x[:, 5], x[:, 4], x[:, 6]], axis=1)
+        want = x @ np.asarray(acceptance.PRIOR_WEIGHTS) + terms @ \
+            np.asarray(acceptance.STORE_WEIGHTS) + trust
+        np.testing.assert_allclose(model.base_logits(g, n, st), want, rtol=1e-12, atol=1e-12)
 
 
 def test_disagreeing_occurrences_and_line_breaks_lower_their_position():
