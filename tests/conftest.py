@@ -39,6 +39,30 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
+# What the suite's runs learn stays out of the user's cache: LOCALSPEC_HOME is a fresh folder for
+# the session (the draft store, prompt caches and crash reports of the tests go there), in which
+# the user's model, download and calibration folders are linked, so that models are pulled and
+# calibrated once per machine as before. Tests that need a home of their own set one.
+_SHARED = ("models", "downloads", "calibration", ".locks")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_home(tmp_path_factory):
+    from localspec.files import localspec_home
+    real = localspec_home()
+    home = tmp_path_factory.mktemp("localspec-home")
+    for part in _SHARED:
+        (real / part).mkdir(parents=True, exist_ok=True)
+        (home / part).symlink_to(real / part, target_is_directory=True)
+    before = os.environ.get("LOCALSPEC_HOME")
+    os.environ["LOCALSPEC_HOME"] = str(home)
+    yield home
+    if before is None:
+        os.environ.pop("LOCALSPEC_HOME", None)
+    else:
+        os.environ["LOCALSPEC_HOME"] = before
+
+
 @pytest.fixture(scope="session")
 def device_report():
     """Lines for the device report (identity rates, top-2 gaps, tokens/s): measured, not
