@@ -54,13 +54,9 @@ def _test_home(tmp_path_factory):
     for part in _SHARED:
         (real / part).mkdir(parents=True, exist_ok=True)
         (home / part).symlink_to(real / part, target_is_directory=True)
-    before = os.environ.get("LOCALSPEC_HOME")
-    os.environ["LOCALSPEC_HOME"] = str(home)
-    yield home
-    if before is None:
-        os.environ.pop("LOCALSPEC_HOME", None)
-    else:
-        os.environ["LOCALSPEC_HOME"] = before
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOCALSPEC_HOME", str(home))
+        yield home
 
 
 @pytest.fixture(scope="session")

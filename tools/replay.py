@@ -327,15 +327,20 @@ def fit_prior(rows: Sequence):
     return fit_logistic(np.vstack(xs), np.concatenate(ys), sample_weight=np.concatenate(ws))
 
 
-def fit_logistic(X, y, l2: float = 1.0, iters: int = 30, sample_weight=None):
-    """Logistic regression by Newton steps with an L2 penalty (not on the bias)."""
+def fit_logistic(X, y, l2: float = 1.0, iters: int = 30, sample_weight=None, offset=None,
+                 penalize_bias: bool = False):
+    """Logistic regression by Newton steps with an L2 penalty (on column 0, the bias, only with
+    `penalize_bias`); `offset` [m]: a fixed logit each row starts from (fitting corrections to
+    an existing model)."""
     import numpy as np
     sw = np.ones(len(y)) if sample_weight is None else np.asarray(sample_weight, dtype=float)
+    z0 = 0.0 if offset is None else np.asarray(offset, dtype=float)
     w = np.zeros(X.shape[1])
     reg = np.full(X.shape[1], l2)
-    reg[0] = 0.0
+    if not penalize_bias:
+        reg[0] = 0.0
     for _ in range(iters):
-        p = 1.0 / (1.0 + np.exp(-(X @ w)))
+        p = 1.0 / (1.0 + np.exp(-(z0 + X @ w)))
         grad = X.T @ (sw * (p - y)) + reg * w
         hess = (X * (sw * p * (1 - p))[:, None]).T @ X + np.diag(reg) + 1e-9 * np.eye(len(w))
         step = np.linalg.solve(hess, grad)
@@ -345,7 +350,10 @@ def fit_logistic(X, y, l2: float = 1.0, iters: int = 30, sample_weight=None):
     return w
 
 
-def log_loss(X, y, w) -> float:
+def log_loss(X, y, w, sample_weight=None, offset=None) -> float:
+    """Mean log loss of y under sigmoid(offset + X @ w), weighted by `sample_weight`."""
     import numpy as np
-    p = np.clip(1.0 / (1.0 + np.exp(-(X @ w))), 1e-9, 1 - 1e-9)
-    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+    z0 = 0.0 if offset is None else np.asarray(offset, dtype=float)
+    p = np.clip(1.0 / (1.0 + np.exp(-(z0 + X @ w))), 1e-9, 1 - 1e-9)
+    sw = np.ones(len(y)) if sample_weight is None else np.asarray(sample_weight, dtype=float)
+    return float(np.sum(sw * -(y * np.log(p) + (1 - y) * np.log(1 - p))) / np.sum(sw))

@@ -125,19 +125,10 @@ def store_rows(cases: list, k_max: int = K_MAX) -> list:
 def fit_store(rows: list, terms: Sequence[str], l2: float = 0.1) -> tuple:
     """Store corrections (acceptance.STORE_WEIGHTS order; the terms not named stay 0) that
     maximise the likelihood of y under sigmoid(z + corrections), each position weighted
-    1 / (1 + depth) as the prior's fit weighs them (Newton steps, a small L2 pull to 0)."""
-    import numpy as np
+    1 / (1 + depth) as the prior's fit weighs them (a small L2 pull to 0, the bias included)."""
     cols = [STORE_TERMS.index(t) for t in terms]
     z, y, w, X = _arrays(rows, cols)
-    b = np.zeros(len(cols))
-    for _ in range(60):
-        p = 1.0 / (1.0 + np.exp(-(z + X @ b)))
-        grad = X.T @ (w * (p - y)) + l2 * b
-        hess = (X * (w * p * (1 - p))[:, None]).T @ X + l2 * np.eye(len(cols))
-        step = np.linalg.solve(hess, grad)
-        b -= step
-        if np.abs(step).max() < 1e-9:
-            break
+    b = rp.fit_logistic(X, y, l2=l2, iters=60, sample_weight=w, offset=z, penalize_bias=True)
     weights = [0.0] * len(STORE_TERMS)
     for c, v in zip(cols, b):
         weights[c] = round(float(v), 3)
@@ -148,8 +139,7 @@ def store_loss(rows: list, weights: Sequence[float]) -> float:
     """Weighted log loss per position of `rows` under store corrections `weights`."""
     import numpy as np
     z, y, w, X = _arrays(rows, range(len(weights)))
-    p = np.clip(1.0 / (1.0 + np.exp(-(z + X @ np.asarray(weights)))), 1e-9, 1 - 1e-9)
-    return float(np.sum(w * -(y * np.log(p) + (1 - y) * np.log(1 - p))) / np.sum(w))
+    return rp.log_loss(X, y, np.asarray(weights), sample_weight=w, offset=z)
 
 
 def _arrays(rows: list, cols) -> tuple:

@@ -210,7 +210,7 @@ class AcceptanceModel:
 
     def __post_init__(self):
         self._wl = tuple(float(w) for w in self.config.weights)   # [len(FEATURES)]
-        self._pos: dict = {}        # ngram_len -> _position_terms
+        self._pos: dict = {}        # (ngram_len, store offer) -> _position_terms
 
     def base_logits(self, f: DraftFeatures, n: int, state: RequestState) -> list:
         """[n] prior logits of positions 0..n-1 (no online offset): phis(f, n, state) @ weights,
@@ -220,16 +220,14 @@ class AcceptanceModel:
         recent = state.recent
         lone_occ, log_streak = float(f.n_occ <= 1), math.log1p(min(state.streak, 64))
         const = w0 + w3 * lone_occ + w5 * log_streak + w7 * recent
-        s_share = s_support = s_depth = 0.0
-        if f.source == "store":
-            sb, sl, s_share, s_lone, s_streak, s_support, s_depth = self.config.store_weights
+        store = f.source == "store"
+        if store:
+            sb, sl, s_share, s_lone, s_streak, s_support, _ = self.config.store_weights
             const += sb + sl * math.log(f.ngram_len / 4) + s_lone * lone_occ + \
                 s_streak * log_streak + f.trust - s_share
             w2, w4 = w2 + s_share, w4 + s_support
         newline = w8 + w10 * recent
-        pos = self._position_terms(f.ngram_len, n)
-        if s_depth:
-            pos = [pos[i] + s_depth * _LOG1P[i] for i in range(n)]
+        pos = self._position_terms(f.ngram_len, n, store)
         agree, breaks = f.agree, f.breaks
         lone = w2 + w4 * _LOG2          # no support counts: one occurrence that agrees
         z, prev = [], f.n_occ
@@ -250,14 +248,16 @@ class AcceptanceModel:
             z.append(zi)
         return z
 
-    def _position_terms(self, ngram_len: int, n: int) -> list:
-        """w_log_len log(ngram_len + i) + w_depth log(1 + i) for i < n (or more), per match
-        length, computed once."""
-        t = self._pos.get(ngram_len)
+    def _position_terms(self, ngram_len: int, n: int, store: bool = False) -> list:
+        """w_log_len log(ngram_len + i) + w_depth log(1 + i) for i < n (or more), the store's
+        depth correction added for its offers; per match length and source, computed once."""
+        t = self._pos.get((ngram_len, store))
         if t is None or len(t) < n:
             w = self._wl
-            t = self._pos[ngram_len] = [w[1] * math.log(ngram_len + i) + w[6] * math.log1p(i)
-                                        for i in range(max(n, _POSITIONS))]
+            depth = w[6] + (self.config.store_weights[6] if store else 0.0)
+            t = self._pos[ngram_len, store] = [
+                w[1] * math.log(ngram_len + i) + depth * math.log1p(i)
+                for i in range(max(n, _POSITIONS))]
         return t
 
     def probs(self, base: Sequence[float]) -> list:
@@ -295,7 +295,6 @@ class AcceptanceModel:
 
 _POSITIONS = 32       # position terms tabled at first use (k_max is 16 by default)
 _LOG2 = math.log(2.0)
-_LOG1P = [math.log1p(i) for i in range(_POSITIONS)]
 
 
 def expected_tokens(p: Sequence[float], k: int) -> float:

@@ -10,10 +10,10 @@ cannot be told apart and s_3 stays at its prior (the solution below says so exac
 
 Reproducibility (decided, see README "Exactness"): online timing may change k, never the rule
 that picks tokens. Greedy output depends on k only where a verify row's top-2 margin is a
-near-tie (the tie guard re-decides those alone) and not at all on batch-invariant kernels
-(the default CPU libraries, docs/exactness.md); sampled output is keyed by position. Who needs the same k
-sequence run after run sets `online=False`: then r(k) is the cached curve and nothing measured
-during the request changes a decision.
+near-tie (the tie guard re-decides those alone) and not at all on batch-invariant kernels (the
+default CPU libraries, docs/exactness.md); sampled output is keyed by position. Who needs the
+same k sequence run after run sets `online=False`: then r(k) is the cached curve and nothing
+measured during the request changes a decision.
 """
 
 from __future__ import annotations

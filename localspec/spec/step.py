@@ -67,7 +67,8 @@ def near_tie(rows: np.ndarray, upto: int, sampling: SamplingParams, recent: list
     divergence measured on the workloads (top-2 gaps 0.02-0.18) while few rows fall under it
     (Qwen 1.5B greedy: 0% of code-edit rows, 0.8% of summary rows, 12% of chat rows, where
     n-gram drafting is mostly off anyway). The engine passes 0 (off) on batch-invariant CPU
-    kernels (the default libraries, docs/exactness.md) and when sampling: sampled draws have no margin to test.
+    kernels (the default libraries, docs/exactness.md) and when sampling: sampled draws have no
+    margin to test.
     """
     if margin <= 0:
         return None

@@ -190,11 +190,10 @@ class LearningStore:
     def __init__(self, store: DraftStore, file: Optional[StoreFile] = None, learn: bool = True):
         self.store, self.file, self.learn = store, file, learn
         self._pending: list = []           # tokens added since the last save
-        self.hits = TRUST_PRIOR            # decayed share of store offers whose first token
-                                           # was right, across requests and (saved with the
-                                           # file) restarts: an agent script's every call
-        if file is not None and file.hits is not None:
-            self.hits = file.hits
+        # decayed share of store offers whose first token was right, across requests and
+        # (saved with the file) restarts: an agent script's every call
+        saved = file.hits if file is not None else None
+        self.hits = TRUST_PRIOR if saved is None else saved
         self._open = False                 # an output is being added
 
     @classmethod
