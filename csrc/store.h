@@ -3,7 +3,7 @@
  * It owns one job: given many past outputs (documents, separated by LSST_BREAK) and the current
  * request's last few tokens, answer "what has followed this context before, how often, and how
  * sure is each next token?" in time that does not depend on how many tokens are stored. It does
- * not allocate, persist, or know about llama.cpp; the Python wrapper (localspec/spec/store.py)
+ * not allocate, persist, or know about llama.cpp; the Python wrapper (localspec/speculative/store.py)
  * owns memory, growth, eviction and files.
  *
  * MEMORY. As the n-gram matcher (ngram.h): the caller hands lsst_init() a block of

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["localspec/apps/checks.py", "localspec/apps/openai_api.py", "localspec/spec/stats.py",
+SOURCES = ["localspec/apps/checks.py", "localspec/apps/openai_api.py", "localspec/speculative/stats.py",
            "localspec/apps/completion.py", "localspec/cache/disk.py"]
 
 
@@ -123,8 +123,8 @@ def fim_cases(n=10) -> list:
 
 def fim(args) -> dict:
     from localspec.llama import set_log_level
-    from localspec.spec.engine import Engine, EngineConfig
-    from localspec.spec.fim import FimRequest, infill
+    from localspec.speculative.engine import Engine, EngineConfig
+    from localspec.speculative.fim import FimRequest, infill
 
     set_log_level()
     rows = []
@@ -155,7 +155,7 @@ def fim(args) -> dict:
 def rewrite(args) -> dict:
     from localspec.apps.edit import Rewrite
     from localspec.llama import set_log_level
-    from localspec.spec.engine import Engine, EngineConfig
+    from localspec.speculative.engine import Engine, EngineConfig
 
     set_log_level()
     text = (ROOT / "localspec/apps/completion.py").read_text()

@@ -22,11 +22,11 @@ from pathlib import Path
 from step_overhead import ScriptedProposer      # this folder is sys.path[0]
 
 from localspec.policy.calibrate import measure
-from localspec.spec.engine import Engine, EngineConfig
+from localspec.speculative.engine import Engine, EngineConfig
 from localspec.llama import Context, ContextParams, Model, ModelParams, system_info
 from localspec.policy.config import PolicyConfig
 from localspec.policy.draft_estimate import DraftPolicy
-from localspec.spec.sampling import SamplingParams, top2_gap
+from localspec.speculative.sampling import SamplingParams, top2_gap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_speculative import PROMPTS  # noqa: E402  (the suite's 20 identity prompts)

@@ -55,7 +55,7 @@ setup() {
   local rc=$?
   tail -3 "$OUT/install.log" | tee -a "$OUT/run.log" >&2
   "$VPY" localspec/llama/buildflags.py --explain >> "$OUT/run.log" 2>&1
-  "$VPY" -c 'import localspec.spec.ngram, localspec.llama as l; print("C extension ok; GPU offload:",
+  "$VPY" -c 'import localspec.speculative.ngram, localspec.llama as l; print("C extension ok; GPU offload:",
              l.supports_gpu_offload(), "|", l.system_info())' 2>&1 | tee -a "$OUT/run.log"
   return $rc
 }

@@ -15,7 +15,7 @@ import time
 import llama_cpp
 
 from localspec.catalog.models import resolve_model
-from localspec.spec.engine import Engine, EngineConfig
+from localspec.speculative.engine import Engine, EngineConfig
 from localspec.llama import default_threads
 
 PROMPT = "Write a Python function that parses an ISO 8601 date string and explain each step."

@@ -1,7 +1,7 @@
 """Prefill tokens/s of one library set, for comparing library sets in alternating processes.
 
 Decodes a chat prompt like the main job's (docs/mainjob-workload.jsonl: summarize
-localspec/spec/verify.py; ~900 tokens with the default model) from an empty cache in the engine's
+localspec/speculative/verify.py; ~900 tokens with the default model) from an empty cache in the engine's
 prefill chunks (PREFILL_GRID), after a 32-token warm-up, `--reps` times;
 prints one JSON line with the libraries this process loaded and every rate. Which libraries load
 is the caller's choice: LOCALSPEC_EXACT=0 for llama.cpp's own, LLAMA_CPP_LIB_PATH for a folder.
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
     case = json.loads((ROOT / "docs" / "mainjob-workload.jsonl").read_text().splitlines()[0])
-    source = (ROOT / "localspec" / "spec" / "verify.py").read_text()
+    source = (ROOT / "localspec" / "speculative" / "verify.py").read_text()
     messages = [{"role": "user", "content": f"{case['instruction']}\n\n{source}"}]
     with Model(str(resolve_model(a.model)), ModelParams()) as model, \
             Context(model, ContextParams(n_ctx=2048, n_threads=a.threads)) as ctx:

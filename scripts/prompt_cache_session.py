@@ -118,7 +118,7 @@ def editor_session(a, home: Path) -> dict:
 
 def resume_vs_reread(a, home: Path) -> dict:
     from localspec.apps.chat import ChatConfig, ChatSession
-    from localspec.spec.engine import Engine, EngineConfig
+    from localspec.speculative.engine import Engine, EngineConfig
 
     os.environ["LOCALSPEC_HOME"] = str(home)
     config = EngineConfig(proposer="none", n_threads=a.threads, cache_disk=True)

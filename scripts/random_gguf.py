@@ -10,7 +10,7 @@ the real decode time and verify cost curve r(k), and it tokenizes exactly like t
 
 A spec is a valid GGUF with every key/value pair of the source (tokenizer and chat template
 included) and no tensors; the tensor list (names, ggml types, shapes) rides along in
-`localspec.spec.*` keys. `make` writes random F16/F32 tensors, then llama.cpp's own quantizer
+`localspec.speculative.*` keys. `make` writes random F16/F32 tensors, then llama.cpp's own quantizer
 (localspec.llama.quantize) turns them into the source's file type with every tensor pinned to
 the source's type, so the result has the real file's byte size.
 """
@@ -30,7 +30,7 @@ import gguf
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
-SPEC = "localspec.spec."
+SPEC = "localspec.speculative."
 SKIP_KEYS = ("GGUF.", "general.architecture", SPEC)   # header pseudo-keys, writer-owned, ours
 UNQUANTIZED = {QT.F32: np.float32, QT.F16: np.float16}
 FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9,

@@ -44,18 +44,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
 
-import localspec.spec.engine
+import localspec.speculative.engine
 from localspec.llama import backend as llama   # its `C`, patched below to time calls
-from localspec.spec.engine import Engine, EngineConfig
+from localspec.speculative.engine import Engine, EngineConfig
 from tools.fastpath import greedy_step, greedy_verify
 from localspec.policy.config import PolicyConfig
 from localspec.policy.acceptance import Offer
-from localspec.spec.proposers import Proposal, Proposer
-from localspec.spec.sampling import PositionStream, SamplingParams, target_dist
-from localspec.spec.step import near_tie
-from localspec.spec.verify import verify
+from localspec.speculative.proposers import Proposal, Proposer
+from localspec.speculative.sampling import PositionStream, SamplingParams, target_dist
+from localspec.speculative.step import near_tie
+from localspec.speculative.verify import verify
 
-STEP = localspec.spec.engine.step        # step.step, as the engine imported it
+STEP = localspec.speculative.engine.step        # step.step, as the engine imported it
 
 PROMPTS = [
     "Rewrite this function with type hints:\ndef add(a, b):\n    return a + b\n",
@@ -175,14 +175,14 @@ def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
         engine.proposer = ScriptedProposer(reference, mode, engine.model.n_vocab)
     # Engine._step calls the module-level name `step`: the prototype goes in there, for this
     # generation only, so propose, bookkeeping and the loop stay the engine's own.
-    localspec.spec.engine.step = greedy_step if fast else STEP
+    localspec.speculative.engine.step = greedy_step if fast else STEP
     prof = cProfile.Profile() if profile else None
     try:
         samples, gen = timed_generation(engine, prompt, sampling, prof,
                                         max_tokens=len(reference), speculate=k > 0,
                                         policy=PolicyConfig(k_max=max(k, 1), fixed_k=k))
     finally:
-        localspec.spec.engine.step = STEP
+        localspec.speculative.engine.step = STEP
     return samples, gen.tokens == reference, prof
 
 

@@ -16,7 +16,7 @@ import pytest
 from localspec.llama import (Context, ContextParams, Model, ModelParams, batch_invariant_rows,
                              system_info)
 from localspec.policy.config import K_LIMIT
-from localspec.spec.sampling import SamplingParams
+from localspec.speculative.sampling import SamplingParams
 
 from test_speculative import PROMPTS, assert_greedy_lossless, engine
 

@@ -184,7 +184,7 @@ def test_a_repeat_round_reproduces_the_cold_round(tiny_path, small_workloads):
     first logits, same output, without prefilling the whole prompt again."""
     from localspec.bench.engine_run import run_engine
     from localspec.llama import PREFILL_GRID
-    from localspec.spec.sampling import SamplingParams
+    from localspec.speculative.sampling import SamplingParams
 
     case = load_workloads(small_workloads, ids=["sum-pass"])[0]
     with Bench(parse_modes("plain"), BenchSettings(str(tiny_path), n_ctx=2048)) as b:
@@ -206,7 +206,7 @@ def test_lockstep_takes_turns_by_tokens_and_times_each_mode_alone(tiny_path, sma
     import time
 
     from localspec.bench import engine_run
-    from localspec.spec.sampling import SamplingParams
+    from localspec.speculative.sampling import SamplingParams
 
     turns, runs = [], []               # per turn: (the run going, {run: (tokens, done)})
     real_turn = engine_run.EngineRun.turn
@@ -245,7 +245,7 @@ def test_ctrl_c_in_lockstep_ends_both_requests_cleanly(tiny_path, small_workload
     """An interrupt inside one mode's turn ends the other request too, at once: both contexts
     keep only rows that match what they emitted, and the next run writes the same text."""
     from localspec.bench import engine_run
-    from localspec.spec.sampling import SamplingParams
+    from localspec.speculative.sampling import SamplingParams
 
     case = load_workloads(small_workloads, ids=["sum-pass"])[0]
     with Bench(parse_modes("plain,ngram-k2"), BenchSettings(str(tiny_path), n_ctx=2048)) as b:

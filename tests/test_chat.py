@@ -20,7 +20,7 @@ import time
 import pytest
 
 from localspec.apps.chat import ChatConfig, ChatLoop, ChatSession, sigint_cancels
-from localspec.spec.engine import Engine, EngineConfig
+from localspec.speculative.engine import Engine, EngineConfig
 from localspec.errors import LocalspecError
 from localspec.llama import PREFILL_GRID
 

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from localspec.cache.prompt_cache import PromptCache, default_budget_mb
 from localspec.llama import PREFILL_GRID, cold_prefix
 from localspec.policy.config import PolicyConfig
-from localspec.spec.engine import Engine, EngineConfig
-from localspec.spec.sampling import SamplingParams
+from localspec.speculative.engine import Engine, EngineConfig
+from localspec.speculative.sampling import SamplingParams
 
 DOCUMENT = inspect.getsource(textwrap)          # the same text on every machine and version
 QUESTIONS = ["\n\nQuestion: what does dedent do?\nAnswer:",
@@ -166,7 +166,7 @@ def test_every_reuse_source_gives_the_cold_text_on_smollm(smollm, tmp_path):
 @pytest.mark.skipif(not os.environ.get("LOCALSPEC_TEST_QWEN"),
                     reason="the default model (1 GB) runs when LOCALSPEC_TEST_QWEN=1")
 def test_cached_equals_cold_on_the_default_model(tmp_path):
-    from localspec.spec.factory import load_model
+    from localspec.speculative.factory import load_model
 
     with load_model("default") as model:
         sources = check_sequence(model, "plain", every_source(3100), 32, tmp_path)

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from localspec.llama import Context, ContextParams, Model, ModelParams, devices, gpu_backends
 from localspec.policy.calibrate import curve_key
 from localspec.policy.config import PolicyConfig
-from localspec.spec.engine import Engine, EngineConfig
-from localspec.spec.factory import load_model
+from localspec.speculative.engine import Engine, EngineConfig
+from localspec.speculative.factory import load_model
 from test_engine_state import N_CTX, PROMPTS as STATE_PROMPTS, FlakyProposer, request, run
 from test_speculative import PROMPTS, TIE_GAP, assert_greedy_lossless, first_divergence, top2_gap
 from tinymodel import make_tiny_gguf

@@ -69,7 +69,7 @@ def test_layers_beyond_the_model_are_clamped_in_the_placement_line():
     from pathlib import Path
     from types import SimpleNamespace
 
-    from localspec.spec.factory import placement_line
+    from localspec.speculative.factory import placement_line
 
     model = SimpleNamespace(path=Path("m.gguf"), placement="31/31 layers on Vulkan0 (x)",
                             n_gpu_layers=99, n_layer=30)

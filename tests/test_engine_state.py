@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localspec.spec.engine import Engine, EngineConfig
+from localspec.speculative.engine import Engine, EngineConfig
 from localspec.errors import LocalspecError
 from localspec.llama import system_info
 from localspec.policy.config import PolicyConfig
-from localspec.spec.proposers import NgramProposer
+from localspec.speculative.proposers import NgramProposer
 
 PROMPTS = ["The capital of France is", "abcabcabcabc", "def f(x):\n    return x\ndef f(x):\n",
            "one two three one two three", "zebra", "The capital of Spain"]

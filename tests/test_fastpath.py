@@ -12,15 +12,15 @@ import pytest
 from test_speculative import REPEATING
 from test_step import ScriptedContext
 
-import localspec.spec.engine
-from localspec.spec.engine import Engine, EngineConfig
+import localspec.speculative.engine
+from localspec.speculative.engine import Engine, EngineConfig
 from tools.fastpath import greedy_step, greedy_verify, penalize_row
 from localspec.policy.config import PolicyConfig
-from localspec.spec.proposers import Proposal
-from localspec.spec.sampling import (PositionStream, SamplingParams, apply_penalty, target_dist,
+from localspec.speculative.proposers import Proposal
+from localspec.speculative.sampling import (PositionStream, SamplingParams, apply_penalty, target_dist,
                                      top2_gap)
-from localspec.spec.step import step
-from localspec.spec.verify import verify
+from localspec.speculative.step import step
+from localspec.speculative.verify import verify
 
 
 def reference(rows, drafts, sampling, recent, margin):
@@ -139,7 +139,7 @@ def test_engine_with_greedy_step_matches_engine_with_step(tiny_model, monkeypatc
     config = EngineConfig(n_ctx=512, n_threads=1, cache_mb=0, policy=PolicyConfig(fixed_k=4))
     runs = {}
     for name, fn in (("step", step), ("greedy_step", greedy_step)):
-        monkeypatch.setattr(localspec.spec.engine, "step", fn)
+        monkeypatch.setattr(localspec.speculative.engine, "step", fn)
         with Engine(tiny_model, config) as eng:
             runs[name] = []
             for prompt in REPEATING:

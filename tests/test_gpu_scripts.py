@@ -12,8 +12,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import localspec.spec.engine
-from localspec.spec.step import step
+import localspec.speculative.engine
+from localspec.speculative.step import step
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -47,7 +47,7 @@ def test_step_overhead_runs_engine_and_prototype_to_the_same_output(tiny_path):
     assert by[("engine", 3, "accept")]["tokens_per_step"] > 1.0      # drafts were kept
     assert by[("engine", 3, "reject")]["tokens_per_step"] <= 1.0     # never a draft kept
     assert set(profiles) == {"engine", "prototype"} and all(profiles.values())
-    assert localspec.spec.engine.step is step                             # put back after each run
+    assert localspec.speculative.engine.step is step                             # put back after each run
 
 
 def test_step_overhead_rows_mode_compares_equal_verdicts():

@@ -27,7 +27,7 @@ HERE = os.path.dirname(__file__)
 # check that an exception inside a generation is a 500 and the server goes on serving.
 FAULTY = r"""
 import sys
-from localspec.spec import engine
+from localspec.speculative import engine
 from localspec.cli import main
 real = engine.Engine.generate
 def generate(self, prompt, *args, **kw):

@@ -1,7 +1,7 @@
 """The package's layers: every module imports on its own in a fresh interpreter (no import cycle
 hides behind an import order), and no module imports from a layer above its own.
 
-    cli -> apps, bench -> spec -> policy, cache -> llama, catalog -> errors, files, text
+    cli -> apps, bench -> speculative -> policy, cache -> llama, catalog -> errors, files, text
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "localspec"
 LAYERS = {
     "cli": ("cli", 5), "__main__": ("cli", 5),
     "apps": ("apps", 4), "bench": ("bench", 4),
-    "spec": ("spec", 3),
+    "speculative": ("speculative", 3),
     "policy": ("policy", 2), "cache": ("cache", 2),
     "llama": ("llama", 1), "catalog": ("catalog", 1),
     "errors": ("base", 0), "files": ("base", 0), "text": ("base", 0), "_ngram_c": ("base", 0),
@@ -38,7 +38,7 @@ def modules() -> list[str]:
 
 
 def part_of(module: str) -> str:
-    """'localspec.spec.engine' -> 'spec'; 'localspec' -> '__init__'."""
+    """'localspec.speculative.engine' -> 'spec'; 'localspec' -> '__init__'."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -82,11 +82,11 @@ def test_no_import_goes_up_or_sideways():
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):
-    """The rule above is not vacuous: a spec module importing an app is caught."""
+    """The rule above is not vacuous: a speculative module importing an app is caught."""
     path = tmp_path / "engine.py"
     path.write_text("from ..apps.chat import ChatSession\nfrom .step import step\n")
-    assert imports_of(path, "localspec.spec.engine") == \
-        {"localspec.apps.chat", "localspec.spec.step"}
+    assert imports_of(path, "localspec.speculative.engine") == \
+        {"localspec.apps.chat", "localspec.speculative.step"}
 
 
 def _import_alone(module: str) -> tuple[str, str]:

@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from localspec.spec.engine import Engine, EngineConfig
+from localspec.speculative.engine import Engine, EngineConfig
 from localspec.errors import LocalspecError
 from localspec.llama import Context, ContextParams
-from localspec.spec.sampling import SamplingParams
+from localspec.speculative.sampling import SamplingParams
 
 ONE_THREAD = ContextParams(n_ctx=512, n_threads=1)
 

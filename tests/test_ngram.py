@@ -1,12 +1,12 @@
-"""The C n-gram matcher (localspec.spec.ngram): worked examples, edge cases, and agreement with the
+"""The C n-gram matcher (localspec.speculative.ngram): worked examples, edge cases, and agreement with the
 pure-Python reference (tests/ngram_reference.py) on >= 100,000 seeded random cases."""
 import doctest
 
 import numpy as np
 import pytest
 
-import localspec.spec.ngram as ngram
-from localspec.spec.ngram import (SOURCE_DOCUMENT, SOURCE_HISTORY, TIE_EARLIEST, TIE_LONGEST,
+import localspec.speculative.ngram as ngram
+from localspec.speculative.ngram import (SOURCE_DOCUMENT, SOURCE_HISTORY, TIE_EARLIEST, TIE_LONGEST,
                              TIE_RECENT, Match, NgramIndex)
 
 try:

@@ -14,7 +14,7 @@ from localspec.errors import LocalspecError
 from localspec.apps.openai_api import (ApiError, chunk, closing_chunks, full_response, parse_chat,
                                   parse_completion)
 from localspec.llama.rpc import parse_servers, probe
-from localspec.spec.stats import GenerationStats
+from localspec.speculative.stats import GenerationStats
 
 NAMES = ["tiny", "/models/tiny.gguf", "tiny.gguf"]
 USER = [{"role": "user", "content": "hi"}]

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from localspec.spec.engine import Engine, EngineConfig
+from localspec.speculative.engine import Engine, EngineConfig
 from localspec.llama import Context, ContextParams
 from localspec.policy.config import PolicyConfig
 from localspec.policy.acceptance import Offer
-from localspec.spec.proposers import Proposal, Proposer
-from localspec.spec.sampling import Dist, SamplingParams, target_dist
-from localspec.spec.sampling import top2_gap as row_gap
+from localspec.speculative.proposers import Proposal, Proposer
+from localspec.speculative.sampling import Dist, SamplingParams, target_dist
+from localspec.speculative.sampling import top2_gap as row_gap
 
 REPEATING = [
     "abcabcabcabcabc", "the cat the cat the cat the cat", "1,2,3,1,2,3,1,2,3,1,2,3",

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from localspec.spec.engine import Engine, EngineConfig
+from localspec.speculative.engine import Engine, EngineConfig
 from localspec.policy.config import PolicyConfig
 from localspec.policy.acceptance import Offer
-from localspec.spec.proposers import Proposal, Proposer
-from localspec.spec.sampling import PositionStream, SamplingParams
-from localspec.spec.step import step
+from localspec.speculative.proposers import Proposal, Proposer
+from localspec.speculative.sampling import PositionStream, SamplingParams
+from localspec.speculative.step import step
 
 N_VOCAB = 32
 EOS = 31

@@ -1,4 +1,4 @@
-"""The draft store (localspec.spec.store, store_file): the C index against a pure-Python
+"""The draft store (localspec.speculative.store, store_file): the C index against a pure-Python
 reference on seeded random corpora, eviction, and every fault the issue names (corrupt,
 truncated, wrong-version, other-model files; a disk that refuses mid-save; kill -9 during a
 save; budget 0; two writers at once): each is at most one warning line, and the next start
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import localspec.spec.store as store_mod
-import localspec.spec.store_file as store_file
-from localspec.spec.store import BREAK, DraftStore, capacity_for
-from localspec.spec.store_file import (LearningStore, StoreFile, read_store,
+import localspec.speculative.store as store_mod
+import localspec.speculative.store_file as store_file
+from localspec.speculative.store import BREAK, DraftStore, capacity_for
+from localspec.speculative.store_file import (LearningStore, StoreFile, read_store,
                                        trim)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,7 +207,7 @@ def test_a_disk_that_refuses_mid_save_is_one_warning_and_keeps_the_old_store(hom
     saved(path, [1, 2, BREAK])
     p = _child(f"""
         import resource, signal
-        from localspec.spec.store_file import StoreFile
+        from localspec.speculative.store_file import StoreFile
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
         f = StoreFile({str(path)!r}, "k" * 32, "m.gguf", 10**6)
@@ -223,7 +223,7 @@ def test_a_disk_that_refuses_mid_save_is_one_warning_and_keeps_the_old_store(hom
 def test_kill_9_during_saves_leaves_a_valid_store(home):
     path = store_file.store_dir() / "m.lsds"
     p = _child(f"""
-        from localspec.spec.store_file import StoreFile
+        from localspec.speculative.store_file import StoreFile
         f = StoreFile({str(path)!r}, "k" * 32, "m.gguf", 2 * 10**6)
         i = 0
         while True:
@@ -245,7 +245,7 @@ def test_two_writers_at_once_lose_nothing(home):
     path = store_file.store_dir() / "m.lsds"
     code = """
         import sys
-        from localspec.spec.store_file import StoreFile
+        from localspec.speculative.store_file import StoreFile
         f = StoreFile({path!r}, "k" * 32, "m.gguf", 10**6)
         for i in range(40):
             assert f.save([{base} + i, 1, 2, 3, -1])
@@ -270,8 +270,8 @@ def test_budget_zero_means_no_store_and_no_file(home, tiny_path, capsys, monkeyp
 
 def _run(tiny_path, learn, fixed_k=4):
     from localspec.policy.config import PolicyConfig
-    from localspec.spec.engine import Engine, EngineConfig
-    from localspec.spec.sampling import SamplingParams
+    from localspec.speculative.engine import Engine, EngineConfig
+    from localspec.speculative.sampling import SamplingParams
     cfg = EngineConfig(proposer="ngram", store=True, learn=learn, n_threads=1, cache_mb=0,
                        n_ctx=512, policy=PolicyConfig(fixed_k=fixed_k))
     with Engine(tiny_path, cfg) as e:

@@ -223,8 +223,8 @@ def test_cli_bad_inputs_are_reported_and_skipped_with_exit_1(tiny_path, tmp_path
 
 
 def test_long_document_takes_the_map_reduce_path(tiny_path, tmp_path):
-    from localspec.spec.engine import Engine, EngineConfig
-    from localspec.spec.sampling import SamplingParams
+    from localspec.speculative.engine import Engine, EngineConfig
+    from localspec.speculative.sampling import SamplingParams
 
     text = words_text(5, 12, 4)
     with Engine(str(tiny_path), EngineConfig(n_ctx=512, n_threads=1)) as engine:

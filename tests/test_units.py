@@ -10,10 +10,10 @@ import pytest
 
 from localspec.policy.config import PolicyConfig
 from localspec.policy.draft_estimate import DraftPolicy, expected_tokens
-from localspec.spec.sampling import (Dist, PositionStream, SamplingParams, apply_penalty, draw,
+from localspec.speculative.sampling import (Dist, PositionStream, SamplingParams, apply_penalty, draw,
                                 target_dist)
-from localspec.spec.stats import GenerationStats
-from localspec.spec.textstream import TextStream
+from localspec.speculative.stats import GenerationStats
+from localspec.speculative.textstream import TextStream
 
 
 def test_chain_top_k_example():
@@ -95,7 +95,7 @@ def test_policy_drafts_when_acceptance_is_high_and_switches_off_when_low():
 def test_ngram_proposer_keys_acceptance_by_match_length():
     """Short matches (prose) and long ones (copied code) are learned apart, so a run of failed
     one-token guesses does not switch off drafting for four-token matches."""
-    from localspec.spec.proposers import NgramProposer
+    from localspec.speculative.proposers import NgramProposer
 
     pol = DraftPolicy([1.0, 1.5, 1.8, 1.6, 2.4], PolicyConfig(k_max=4))
     for _ in range(60):
@@ -153,7 +153,7 @@ def test_the_draft_length_goes_one_way_offer_choose_draft():
     """The proposer offers what it found, the policy chooses k, the proposer drafts that many;
     a draft model's offer (no features) is chosen by its scalar estimate."""
     from localspec.policy.acceptance import Offer
-    from localspec.spec.proposers import NgramProposer
+    from localspec.speculative.proposers import NgramProposer
 
     pol = DraftPolicy([1.0] * 9, PolicyConfig(k_max=8, fixed_k=3))
     prop = NgramProposer(ngram_min=1, ngram_max=4)

@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from localspec.spec.sampling import Dist, PositionStream, draw, point_mass
-from localspec.spec.verify import residual, verify
+from localspec.speculative.sampling import Dist, PositionStream, draw, point_mass
+from localspec.speculative.verify import residual, verify
 
 V = 6  # vocabulary size of the enumerated tests
 

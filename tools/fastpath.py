@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from localspec.spec.sampling import PositionStream, SamplingParams
-from localspec.spec.step import StepResult, step
+from localspec.speculative.sampling import PositionStream, SamplingParams
+from localspec.speculative.step import StepResult, step
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from localspec.spec.ngram import TIE_EARLIEST, TIE_RECENT, NgramIndex
+from localspec.speculative.ngram import TIE_EARLIEST, TIE_RECENT, NgramIndex
 
 N_PRED = 10                   # num_pred_tokens / k
 DECODE_MS_1P5B = 76.0         # one-token decode, Qwen2.5-Coder-1.5B Q4_K_M, 2-vCPU Xeon (docs/design.md)
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     stream = synthetic_stream(max(lengths) + args.steps, rng)
 
     print(f"# per-proposal latency, k={N_PRED}, {args.steps} steps per length; C = append 1 token "
-          f"+ propose via localspec.spec.ngram", file=sys.stderr)
+          f"+ propose via localspec.speculative.ngram", file=sys.stderr)
     print(f"{'tokens':>8} {'numpy_us':>10} {'c_us':>8} {'speedup':>8} {'c_default_us':>13} "
           f"{'same_as_numpy':>13}")
     for n in lengths:

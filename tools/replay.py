@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 from localspec.policy.acceptance import PLAIN
 from localspec.policy.calibrate import newest_cached
 from localspec.errors import LocalspecError
-from localspec.spec.proposers import NgramProposer
+from localspec.speculative.proposers import NgramProposer
 
 BASE_MS = 60.0     # a plain step, for the timings handed to policies (only ratios matter)
 

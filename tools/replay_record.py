@@ -65,7 +65,7 @@ def record(path: str, threads: int = 2, exact: bool = False, cases: Optional[lis
     there are kept (a stopped run resumes). Kinds take turns, so a partial recording covers all
     of them."""
     from localspec.bench import load_workloads
-    from localspec.spec.engine import Engine, EngineConfig
+    from localspec.speculative.engine import Engine, EngineConfig
 
     data = {"version": RECORDING_VERSION, "threads": threads, "exact": exact,
             "cpu": cpu_model(read_cpuinfo()), "cases": {}}

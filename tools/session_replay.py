@@ -34,8 +34,8 @@ from localspec.policy.acceptance import STORE_TERMS
 from localspec.policy.adaptive import AdaptivePolicy
 from localspec.policy.config import PolicyConfig
 from localspec.policy.costmodel import CostConfig, CostModel
-from localspec.spec.store import DraftStore, capacity_for
-from localspec.spec.store_file import LearningStore
+from localspec.speculative.store import DraftStore, capacity_for
+from localspec.speculative.store_file import LearningStore
 from tools import replay as rp
 
 SESSIONS = "localspec/data/sessions.jsonl"

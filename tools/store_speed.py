@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from localspec.spec.store import BREAK, DraftStore, bytes_per_token
-from localspec.spec.store_file import LearningStore, StoreFile
+from localspec.speculative.store import BREAK, DraftStore, bytes_per_token
+from localspec.speculative.store_file import LearningStore, StoreFile
 
 _PIECE = re.compile(r"\w+|\s+|[^\w\s]")
 

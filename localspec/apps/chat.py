@@ -13,10 +13,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator, List, Optional, TextIO, Tuple
 
-from ..spec.engine import Engine
+from ..speculative.engine import Engine
 from ..errors import LocalspecError
-from ..spec.sampling import SamplingParams
-from ..spec.stats import GenerationStats
+from ..speculative.sampling import SamplingParams
+from ..speculative.stats import GenerationStats
 
 
 @dataclass(frozen=True)

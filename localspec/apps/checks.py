@@ -11,8 +11,8 @@ import math
 from typing import Callable, Optional
 
 from ..policy.config import K_LIMIT
-from ..spec.config import PROPOSERS
-from ..spec.sampling import SamplingParams
+from ..speculative.config import PROPOSERS
+from ..speculative.sampling import SamplingParams
 
 Fail = Callable[[str, str], Exception]    # (field, message) -> the front end's error
 

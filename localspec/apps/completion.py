@@ -1,14 +1,14 @@
 """Fill-in-the-middle requests as both front ends take them: the editor protocol's `complete`
 (docs/protocol.md) and the HTTP server's llama.cpp-style `/infill` (docs/http.md). Field checks
 and the buffer rules (no NUL bytes, cut to the context) live here once; the engine side is
-spec/fim.py.
+speculative/fim.py.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from ..spec.fim import FimRequest
+from ..speculative.fim import FimRequest
 from .edit import Region
 from .checks import Checks
 

@@ -9,7 +9,7 @@ from typing import Optional
 from ..llama import buildflags
 from ..llama.buildflags import cpu_flags, read_cpuinfo
 from ..catalog.models import resolve_model
-from ..spec.compat import check_pair
+from ..speculative.compat import check_pair
 from ..llama.libs import exact_lib_status
 from ..llama import (Model, ModelParams, backend_init_failures, build_has_amx, default_threads,
                      devices, gpu_backends, library_account, supports_gpu_offload, system_info)

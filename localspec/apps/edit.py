@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 from ..errors import LocalspecError
-from ..spec.sampling import SamplingParams
-from ..spec.stats import GenerationStats
+from ..speculative.sampling import SamplingParams
+from ..speculative.stats import GenerationStats
 
 SYSTEM = ("You are a careful code and text editor. Apply the user's instruction to the text "
           "and reply with the complete rewritten text only: no explanation, no commentary.")

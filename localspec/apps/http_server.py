@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..llama.rpc import attached as rpc_attached, on_lost as rpc_on_lost
-from ..spec.engine import Engine
+from ..speculative.engine import Engine
 from .checks import model_info, no_constants, speculation_info
 from .http_worker import Job, Worker
 from .infill_api import infill_body, infill_chunk, parse_infill_request

@@ -17,9 +17,9 @@ from dataclasses import replace
 from typing import Optional
 
 from ..errors import LocalspecError
-from ..spec.engine import Engine
-from ..spec.fim import infill
-from ..spec.stats import GenerationStats
+from ..speculative.engine import Engine
+from ..speculative.fim import infill
+from ..speculative.stats import GenerationStats
 from .openai_api import ApiError, GenRequest
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..spec.stats import GenerationStats
+from ..speculative.stats import GenerationStats
 from .completion import INFILL_FIELDS, INFILL_IGNORED, flatten_fields, parse_infill
 from .openai_api import CHECK, GenRequest, _check_names, bad, check_model, extension
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
-from ..spec.sampling import SamplingParams
-from ..spec.stats import GenerationStats
+from ..speculative.sampling import SamplingParams
+from ..speculative.stats import GenerationStats
 from .checks import Checks
 
 # Accepted and ignored: they change nothing a local single-model server could honour.
@@ -94,7 +94,7 @@ class GenRequest:
     document: Optional[str] = None
     speculate: bool = True
     fixed_k: Optional[int] = None
-    fim: Optional[object] = None        # "infill": a spec.fim.FimRequest (infill_api.py)
+    fim: Optional[object] = None        # "infill": a speculative.fim.FimRequest (infill_api.py)
     fields: tuple = ()                  # "infill": llama.cpp's response_fields
 
 

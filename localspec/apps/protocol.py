@@ -16,12 +16,12 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional, Union
 
 from .. import __version__
-from ..spec.engine import Engine, Prompt
-from ..spec.fim import infill
+from ..speculative.engine import Engine, Prompt
+from ..speculative.fim import infill
 from ..errors import LocalspecError
 from ..files import internal_error_line
-from ..spec.sampling import SamplingParams
-from ..spec.stats import GenerationStats
+from ..speculative.sampling import SamplingParams
+from ..speculative.stats import GenerationStats
 from .checks import Checks, model_info, no_constants, speculation_info
 from .completion import COMPLETE_PARAMS, REWRITE_PARAMS, parse_complete, parse_rewrite
 from .edit import Rewrite

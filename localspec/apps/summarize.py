@@ -16,7 +16,7 @@ from pathlib import Path, PurePath
 from typing import Callable, Iterable, Optional, Sequence
 
 from ..errors import LocalspecError
-from ..spec.stats import GenerationStats
+from ..speculative.stats import GenerationStats
 
 DEFAULT_GLOBS = ("*.md", "*.markdown", "*.txt", "*.rst", "*.py")
 DEFAULT_INSTRUCTION = ("Summarize the following document in one short paragraph. Keep the key "

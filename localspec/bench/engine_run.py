@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from ..spec.engine import Engine
-from ..spec.sampling import SamplingParams
+from ..speculative.engine import Engine
+from ..speculative.sampling import SamplingParams
 from .timing import Outcome, Ticker
 from .workloads import Case
 

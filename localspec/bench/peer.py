@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..spec.sampling import SamplingParams
+from ..speculative.sampling import SamplingParams
 from .timing import Outcome, Ticker
 
 PEER_K = 10                       # LlamaPromptLookupDecoding's num_pred_tokens, as users run it

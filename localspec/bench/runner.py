@@ -15,14 +15,14 @@ from typing import Callable, Optional, Sequence
 
 from .. import __version__
 from ..policy.calibrate import load_or_measure
-from ..spec.config import EngineConfig
-from ..spec.engine import Engine
+from ..speculative.config import EngineConfig
+from ..speculative.engine import Engine
 from ..errors import LocalspecError
-from ..spec.factory import load_model
+from ..speculative.factory import load_model
 from ..llama.buildflags import cpu_model, read_cpuinfo
 from ..llama import default_threads, library_account, system_info
 from ..policy.config import K_LIMIT, PolicyConfig
-from ..spec.sampling import SamplingParams, top2_gap
+from ..speculative.sampling import SamplingParams, top2_gap
 from .engine_run import run_engine, run_lockstep
 from .peer import PEER_K, Peer
 from .report import Row, first_difference, make_row, merge_rounds, summarize

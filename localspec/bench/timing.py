@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..spec.stats import GenerationStats
+from ..speculative.stats import GenerationStats
 
 
 @dataclass

@@ -12,7 +12,7 @@ import click
 from ..bench import KINDS, Bench, BenchSettings, load_workloads, parse_modes, summarize
 from ..bench.report import format_rows, format_summary, plot_ratios, require_matplotlib
 from ..bench.runner import setup_record, write_json
-from ..spec.sampling import SamplingParams
+from ..speculative.sampling import SamplingParams
 from .options import COMMAND, SAMPLING, Number, parse_rpc_option, run_command
 
 

@@ -23,7 +23,7 @@ def http_options(f):
         click.option("--http", "http_bind", metavar="[HOST:]PORT", default=None,
                      help="Serve the OpenAI-compatible HTTP API on PORT (host 127.0.0.1 unless "
                           "given; PORT 0 picks a free one). Needs `pip install "
-                          "'localspec[server]'`. Spec: docs/http.md."),
+                          "'localspec[server]'`. Reference: docs/http.md."),
         click.option("--api-key", default=None, envvar="LOCALSPEC_API_KEY",
                      help="With --http: require 'Authorization: Bearer KEY' on every request "
                           "but GET /health. Env: LOCALSPEC_API_KEY."),

@@ -11,15 +11,15 @@ import sys
 import click
 
 from ..apps.checks import number_problem
-from ..spec.config import PROPOSERS, EngineConfig
-from ..spec.engine import Engine
+from ..speculative.config import PROPOSERS, EngineConfig
+from ..speculative.engine import Engine
 from ..llama import default_threads
 from ..errors import LocalspecError
 from ..files import internal_error_line, system_error_line
 from ..text import check_utf8, decode_utf8
 from ..policy.config import K_LIMIT, PolicyConfig
 from ..llama.rpc import parse_servers
-from ..spec.sampling import SamplingParams
+from ..speculative.sampling import SamplingParams
 
 COMMAND = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 INTERNAL_ERROR_EXIT = 70         # sysexits.h EX_SOFTWARE: not the user's mistake
@@ -122,7 +122,7 @@ def model_options(default_proposer: str = "ngram"):
 
 
 def learn_option(default, note: str = ""):
-    """--learn/--no-learn: whether this run's outputs join the draft store (spec/store.py).
+    """--learn/--no-learn: whether this run's outputs join the draft store (speculative/store.py).
     `default` per command (None: the command decides, e.g. serve by its transport)."""
     shown = "" if default is None else f" [default: {'learn' if default else 'no-learn'}]"
     return click.option(

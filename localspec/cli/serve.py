@@ -35,7 +35,7 @@ def serve(stdio, no_disk_cache, **kw):
     --stdio: JSON-RPC 2.0, one message per line. Methods: initialize, generate (streams
     "generate/progress" notifications, then responds with the text and statistics), cancel,
     shutdown. stdout carries protocol messages only; logs and errors go to stderr. EOF on stdin
-    cancels any work and exits 0. Spec: docs/protocol.md.
+    cancels any work and exits 0. Reference: docs/protocol.md.
 
     Prompts that begin like an earlier one reuse its KV rows (the prompt cache, --cache-mb), also
     across restarts: put what stays the same first (system text, then the document, then the
@@ -43,7 +43,7 @@ def serve(stdio, no_disk_cache, **kw):
 
     --http: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models and
     /health, for the openai SDK, curl and editor plugins that take an OpenAI base URL. Binds
-    127.0.0.1 unless HOST is given; one generation at a time, the rest queue. Spec: docs/http.md.
+    127.0.0.1 unless HOST is given; one generation at a time, the rest queue. Reference: docs/http.md.
 
     \b
     Examples:

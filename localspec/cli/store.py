@@ -7,8 +7,8 @@ import datetime
 import click
 
 from ..catalog.models import resolve_model
-from ..spec.store import bytes_per_token, capacity_for
-from ..spec.store_file import (BREAK, ENV_MB, budget_mb, clear_stores, list_stores, saved_hits,
+from ..speculative.store import bytes_per_token, capacity_for
+from ..speculative.store_file import (BREAK, ENV_MB, budget_mb, clear_stores, list_stores, saved_hits,
                                store_path)
 from .options import COMMAND
 

@@ -40,7 +40,7 @@ class EngineConfig:
     ngram_max: int = NGRAM_MAX
     ngram_tie: str = NGRAM_TIE
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    store: bool = False                   # the draft store of past outputs (spec/store.py)
+    store: bool = False                   # the draft store of past outputs (speculative/store.py)
     learn: bool = True                    # add this engine's outputs to it (False: read only)
     store_mb: Optional[float] = None      # its RAM budget (None: $LOCALSPEC_STORE_MB or 64)
     store_disk: bool = True               # keep it in <home>/store across restarts

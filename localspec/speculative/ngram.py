@@ -52,7 +52,7 @@ def _check(rc: int, what: str) -> None:
         reason = "token ids must be in [0, 2**31 - 1], got a negative id"
     if rc in (lib.LSNG_ERR_PARAMS, lib.LSNG_ERR_TOKEN, lib.LSNG_ERR_RANGE):
         raise ValueError(f"{what}: {reason}")
-    raise RuntimeError(f"n-gram matcher {what} failed: {reason} (a bug in localspec.spec.ngram)")
+    raise RuntimeError(f"n-gram matcher {what} failed: {reason} (a bug in localspec.speculative.ngram)")
 
 
 def _as_tokens(tokens, what: str) -> np.ndarray:
