@@ -1,6 +1,6 @@
 """Prefill tokens/s of one library set, for comparing library sets in alternating processes.
 
-Decodes a chat prompt like the main job's (docs/mainjob-workload.jsonl: summarize
+Decodes a chat prompt like the main job's (data/workloads/mainjob-workload.jsonl: summarize
 localspec/speculative/verify.py; ~900 tokens with the default model) from an empty cache in the engine's
 prefill chunks (PREFILL_GRID), after a 32-token warm-up, `--reps` times;
 prints one JSON line with the libraries this process loaded and every rate. Which libraries load
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
-    case = json.loads((ROOT / "docs" / "mainjob-workload.jsonl").read_text().splitlines()[0])
+    case = json.loads((ROOT / "data" / "workloads" / "mainjob-workload.jsonl").read_text().splitlines()[0])
     source = (ROOT / "localspec" / "speculative" / "verify.py").read_text()
     messages = [{"role": "user", "content": f"{case['instruction']}\n\n{source}"}]
     with Model(str(resolve_model(a.model)), ModelParams()) as model, \

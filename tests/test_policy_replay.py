@@ -19,7 +19,7 @@ from localspec.errors import LocalspecError
 from localspec.policy.config import PolicyConfig
 from localspec.policy.draft_estimate import DraftPolicy
 
-RECORDING = Path(__file__).resolve().parent / "data" / "policy_plain.json"
+RECORDING = Path(__file__).resolve().parents[1] / "data" / "recordings" / "policy_plain.json"
 XEON = rp.extend_curve([1, 1.55, 1.75, 1.75, 2.2], 16, {8: 3.0, 16: 3.9})
 EPYC = rp.extend_curve([1, 1.48, 1.96, 2.22, 2.68], 16, {8: 5.9, 16: 8.4})
 

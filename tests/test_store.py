@@ -375,7 +375,7 @@ def test_session_replay_on_the_recorded_sessions():
     session has an empty store (store == ngram exactly)."""
     from tools import replay as rp
     from tools.session_replay import curve_of, replay_sessions
-    cases = rp.load(str(REPO / "tests" / "data" / "sessions_zen4.json"))
+    cases = rp.load(str(REPO / "data" / "recordings" / "sessions_zen4.json"))
     _, flat = curve_of("flat", "", 2)
     rows = replay_sessions(cases, flat, oracle=True)
     assert {r[0] for r in rows} == {"editor", "agent", "summarize", "chat"}
@@ -394,8 +394,8 @@ def test_the_store_corrections_are_the_documented_fit_and_hold_on_held_out_sessi
     from localspec.policy.acceptance import STORE_TERMS, STORE_WEIGHTS
     from tools import replay as rp
     from tools.session_replay import fit_store, store_loss, store_rows
-    train = store_rows(rp.load(str(REPO / "tests" / "data" / "sessions_zen4.json")))
-    held = store_rows(rp.load(str(REPO / "tests" / "data" / "sessions_heldout_zen4.json")))
+    train = store_rows(rp.load(str(REPO / "data" / "recordings" / "sessions_zen4.json")))
+    held = store_rows(rp.load(str(REPO / "data" / "recordings" / "sessions_heldout_zen4.json")))
     assert fit_store(train, STORE_TERMS) == pytest.approx(STORE_WEIGHTS, abs=2e-3)
     assert {r[0] for r in held} == {"editor", "agent", "summarize", "chat"}
     before = (-0.5, 0.668, 0.0, 0.0, 0.0, 0.0, 0.0)

@@ -120,8 +120,8 @@ FEATURES = ("bias", "log_len", "share", "lone", "log_support", "log_streak", "de
             "newline", "stop", "newline_recent")
 
 # Prior weights: logistic regression on the recorded plain outputs of the shipped workloads
-# (Qwen2.5-Coder-1.5B greedy, tests/data/policy_plain.json, 60,932 conditional positions),
-# refitted with `python scripts/policy_replay.py fit tests/data/policy_plain.json`: held-out
+# (Qwen2.5-Coder-1.5B greedy, data/recordings/policy_plain.json, 60,932 conditional positions),
+# refitted with `python scripts/policy_replay.py fit data/recordings/policy_plain.json`: held-out
 # log loss 0.064 per position over two folds, against 0.10-0.13 for a constant rate.
 PRIOR_WEIGHTS = (-5.217, 0.564, 3.137, -0.348, 1.295, 0.736, 0.487, 1.716, -4.893, -2.710, 2.604)
 
@@ -177,8 +177,8 @@ def _sigmoid(z: float) -> float:
 # positions, added to the prior logit: bias + len log(ngram_len / 4) + share (share_i - 1) +
 # lone [n_occ <= 1] + streak log(1 + streak) + support log(1 + agree_i) + depth log(1 + i).
 # Fitted by likelihood on the store's proposals over the recorded sessions
-# (`python -m tools.session_replay fit tests/data/sessions_zen4.json --terms ...`) and checked
-# on held-out sessions (tests/data/sessions_heldout_zen4.json): log loss 0.478 there, against
+# (`python -m tools.session_replay fit data/recordings/sessions_zen4.json --terms ...`) and checked
+# on held-out sessions (data/recordings/sessions_heldout_zen4.json): log loss 0.478 there, against
 # 0.558 for the earlier bias + len pair (docs/store.md).
 STORE_TERMS = ("bias", "len", "share", "lone", "streak", "support", "depth")
 STORE_WEIGHTS = (1.125, -0.586, 3.067, -0.105, -1.068, -0.526, -0.73)
