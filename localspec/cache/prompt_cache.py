@@ -46,7 +46,18 @@ from .disk import DiskFolder, touch
 from .format import (SUFFIX, Entry, Rejected, clean_of, common_prefix, context_key, read_file,
                      read_header, write_file)
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_session_name(name: str) -> str:
+    """`name` when it can name a saved chat, else a LocalspecError saying what names are; the CLI
+    calls it before a chat starts. fullmatch, not ^...$: '$' also matches before a final newline.
+
+    Example: 'work-2' -> 'work-2'; '../x', 'a/b', '', 'x\n' and 65 characters are refused."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise LocalspecError(f"session names are 1-64 letters, digits, '.', '_' and '-', "
+                             f"starting with a letter or digit, not {name!r}.")
+    return name
 
 
 @dataclass
@@ -228,10 +239,7 @@ class PromptCache:
     def _session_path(self, name: str) -> Path:
         if self.disk_dir is None:
             raise LocalspecError("named sessions need a cache folder; this cache is RAM only.")
-        if not _NAME.match(name):
-            raise LocalspecError(f"session names are letters, digits, '.', '_' and '-' "
-                                 f"(at most 64), not {name!r}.")
-        return self.disk_dir / "sessions" / (name + SUFFIX)
+        return self.disk_dir / "sessions" / (check_session_name(name) + SUFFIX)
 
     # -- internals ------------------------------------------------------------------------
     def _best(self, key: str, prompt: Sequence[int], n_ctx: int, grid: int) -> tuple:
