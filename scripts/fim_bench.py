@@ -124,7 +124,7 @@ def fim_cases(n=10) -> list:
 def fim(args) -> dict:
     from localspec.llama import set_log_level
     from localspec.speculative.engine import Engine, EngineConfig
-    from localspec.speculative.fim import FimRequest, infill
+    from localspec.apps.fim import FimRequest, infill
 
     set_log_level()
     rows = []

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from localspec.errors import LocalspecError
-from localspec.speculative.fim import FimRequest, LineRules, build_prompt
+from localspec.apps.fim import FimRequest, LineRules, build_prompt
 from test_http import Server as HttpServer
 from test_serve import Server as StdioServer
 
@@ -236,7 +236,7 @@ def perimeter_square(side: float) -> float:
                     reason="the default model (1 GB) runs when LOCALSPEC_TEST_QWEN=1")
 def test_default_model_completes_a_function_like_its_neighbour():
     from localspec.speculative.engine import Engine, EngineConfig
-    from localspec.speculative.fim import infill
+    from localspec.apps.fim import infill
 
     with Engine("default", EngineConfig(proposer="ngram", cache_disk=False)) as engine:
         done = infill(engine, FimRequest(prefix=NEIGHBOURS, suffix=NEXT, max_tokens=60,

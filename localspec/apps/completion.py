@@ -1,16 +1,16 @@
 """Fill-in-the-middle requests as both front ends take them: the editor protocol's `complete`
 (docs/protocol.md) and the HTTP server's llama.cpp-style `/infill` (docs/http.md). Field checks
 and the buffer rules (no NUL bytes, cut to the context) live here once; the engine side is
-speculative/fim.py.
+fim.py.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from ..speculative.fim import FimRequest
-from .edit import Region
 from .checks import Checks
+from .edit import Region
+from .fim import FimRequest
 
 DEFAULT_MAX_TOKENS = 64
 # The protocol's `complete` params, and what each means in FimRequest.

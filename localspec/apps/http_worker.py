@@ -18,8 +18,8 @@ from typing import Optional
 
 from ..errors import LocalspecError
 from ..speculative.engine import Engine
-from ..speculative.fim import infill
 from ..speculative.stats import GenerationStats
+from .fim import infill
 from .openai_api import ApiError, GenRequest
 
 

@@ -94,7 +94,7 @@ class GenRequest:
     document: Optional[str] = None
     speculate: bool = True
     fixed_k: Optional[int] = None
-    fim: Optional[object] = None        # "infill": a speculative.fim.FimRequest (infill_api.py)
+    fim: Optional[object] = None        # "infill": an apps.fim.FimRequest (infill_api.py)
     fields: tuple = ()                  # "infill": llama.cpp's response_fields
 
 

@@ -17,7 +17,6 @@ from typing import Callable, Iterable, Optional, Union
 
 from .. import __version__
 from ..speculative.engine import Engine, Prompt
-from ..speculative.fim import infill
 from ..errors import LocalspecError
 from ..files import internal_error_line
 from ..speculative.sampling import SamplingParams
@@ -25,6 +24,7 @@ from ..speculative.stats import GenerationStats
 from .checks import Checks, model_info, no_constants, speculation_info
 from .completion import COMPLETE_PARAMS, REWRITE_PARAMS, parse_complete, parse_rewrite
 from .edit import Rewrite
+from .fim import infill
 
 PROTOCOL_VERSION = 1
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601

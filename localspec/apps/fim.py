@@ -23,8 +23,8 @@ from typing import Iterator, Optional, Sequence
 
 from ..errors import LocalspecError
 from ..policy.config import PolicyConfig
-from .sampling import SamplingParams
-from .stats import GenerationStats
+from ..speculative.sampling import SamplingParams
+from ..speculative.stats import GenerationStats
 
 SLACK = 8                # tokens kept free beyond prompt + max_tokens
 
