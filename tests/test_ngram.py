@@ -262,7 +262,7 @@ def test_million_token_history():
         assert proposal(idx, 3) == ([50_001, 50_002], SOURCE_HISTORY, 2)
         idx.truncate(10)
         assert len(idx) == 10
-        ref = ReferenceMatcher(1, 4, TIE_RECENT, ngram.MAX_CHAIN)
+        ref = ReferenceMatcher(1, 4, TIE_RECENT, ngram.MAX_VISITED)
         ref.append(history[:10])
         assert idx.propose(4).tokens.tolist() == ref.propose(4)[0]
 
@@ -311,10 +311,10 @@ def run_session(rng, tie, vocab, n_ops):
     ngram_min = int(rng.integers(1, 4))
     ngram_max = ngram_min + int(rng.integers(0, 4))
     max_len = int(rng.integers(8, 200))
-    if vocab is not None and rng.random() < 0.15:   # long runs of 2 symbols: > MAX_CHAIN occurrences
+    if vocab is not None and rng.random() < 0.15:   # long runs of 2 symbols: > MAX_VISITED occurrences
         vocab, ngram_min, ngram_max, max_len = 2, 1, int(rng.integers(1, 3)), 600
     idx = NgramIndex(ngram_min, ngram_max, tie, capacity=int(rng.integers(1, 40)))
-    ref = ReferenceMatcher(ngram_min, ngram_max, tie, ngram.MAX_CHAIN)
+    ref = ReferenceMatcher(ngram_min, ngram_max, tie, ngram.MAX_VISITED)
     with idx:
         for _ in range(n_ops):
             r = rng.random()

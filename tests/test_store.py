@@ -1,4 +1,4 @@
-"""The draft store (localspec.speculative.store, store_file): the C index against a pure-Python
+"""The draft store (localspec.speculative.store, store_file, learning_store): the C index against a pure-Python
 reference on seeded random corpora, eviction, and every fault the issue names (corrupt,
 truncated, wrong-version, other-model files; a disk that refuses mid-save; kill -9 during a
 save; budget 0; two writers at once): each is at most one warning line, and the next start
@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import localspec.speculative.learning_store as learning_store
 import localspec.speculative.store as store_mod
 import localspec.speculative.store_file as store_file
-from localspec.speculative.store import BREAK, DraftStore, capacity_for
-from localspec.speculative.store_file import (LearningStore, StoreFile, read_store,
-                                       trim)
+from localspec.speculative.learning_store import LearningStore
+from localspec.speculative.store import BREAK, DraftStore, max_tokens_for
+from localspec.speculative.store_file import StoreFile, read_store, trim
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_docstring_examples():
     assert doctest.testmod(store_mod).failed == 0
     assert doctest.testmod(store_file).failed == 0
+    assert doctest.testmod(learning_store).failed == 0
 
 
 def reference(corpus, context, k, ngram_min=2, ngram_max=6, max_chain=64, floor=0.1):
@@ -74,7 +76,7 @@ def test_the_c_index_agrees_with_the_reference_on_random_corpora():
         corpus = [rng.randrange(vocab) if rng.random() > 0.05 else BREAK
                   for _ in range(rng.randrange(1, 400))]
         chain = rng.choice([1, 3, 64])
-        with DraftStore(capacity=1000, max_chain=chain) as s:
+        with DraftStore(max_tokens=1000, max_chain=chain) as s:
             s.extend(corpus)
             for _ in range(10):
                 context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
@@ -89,7 +91,7 @@ def test_the_c_index_agrees_with_the_reference_on_random_corpora():
 
 
 def test_a_full_store_evicts_its_oldest_half_and_keeps_the_newest():
-    with DraftStore(capacity=100) as s:
+    with DraftStore(max_tokens=100) as s:
         for i in range(30):
             s.extend([1000 + i, 1, 2, 3, BREAK])
         assert len(s) <= 100
@@ -100,8 +102,8 @@ def test_a_full_store_evicts_its_oldest_half_and_keeps_the_newest():
 
 
 def test_budget_in_mb_bounds_the_memory():
-    assert capacity_for(0) == 0
-    cap = capacity_for(64)
+    assert max_tokens_for(0) == 0
+    cap = max_tokens_for(64)
     assert 500_000 < cap < 2_000_000
     assert store_mod.lib.lsst_bytes(store_mod._params(2, 6, 64, 0.1), cap) <= 64e6
 
@@ -114,8 +116,8 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
-def saved(path, tokens, capacity=10_000, key="k" * 32):
-    f = StoreFile(path, key, "m.gguf", capacity)
+def saved(path, tokens, max_tokens=10_000, key="k" * 32):
+    f = StoreFile(path, key, "m.gguf", max_tokens)
     assert f.save(tokens)
     return f
 
@@ -132,7 +134,7 @@ def test_round_trip_owner_only_and_merge(home, capsys):
 
 def test_trust_is_saved_with_the_store_and_read_back_on_the_next_start(home, tiny_path):
     first = LearningStore.for_model(tiny_path, "tiny.gguf")
-    assert first.hits == store_file.TRUST_PRIOR
+    assert first.hits == learning_store.TRUST_PRIOR
     for right in (True, True, True, False, True):          # an agent loop's store earns trust
         first.checked(right)
     first.begin_output([1, 2])
@@ -151,7 +153,7 @@ def test_trust_is_saved_with_the_store_and_read_back_on_the_next_start(home, tin
 
 def test_the_file_keeps_the_newest_tokens_within_the_budget(home):
     path = store_file.store_dir() / "m.lsds"
-    f = saved(path, list(range(50)) + [BREAK], capacity=40)
+    f = saved(path, list(range(50)) + [BREAK], max_tokens=40)
     f.save(list(range(100, 130)) + [BREAK])
     tokens = read_store(path, "k" * 32)[1].tolist()
     assert len(tokens) <= 40 and tokens[-31:] == list(range(100, 130)) + [BREAK]
@@ -238,7 +240,7 @@ def test_kill_9_during_saves_leaves_a_valid_store(home):
     p.wait()
     tokens = StoreFile(path, "k" * 32, "m.gguf", 2 * 10**6).load()   # no warning, valid
     assert len(tokens) > 0 and tokens[-1] == BREAK
-    assert saved(path, [5, BREAK], capacity=2 * 10**6)
+    assert saved(path, [5, BREAK], max_tokens=2 * 10**6)
 
 
 def test_two_writers_at_once_lose_nothing(home):
@@ -357,7 +359,7 @@ def test_the_editor_protocol_learns_and_its_stats_count_store_tokens(tiny_path, 
 
 
 def test_the_index_starts_small_and_grows_to_the_budget():
-    with DraftStore(capacity=300_000) as s:
+    with DraftStore(max_tokens=300_000) as s:
         start = s._mem
         s.extend(list(range(70_000)) + [BREAK])
         assert s._mem is not start and len(s) == 70_001

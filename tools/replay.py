@@ -55,8 +55,8 @@ def load(path: str) -> list:
 
 def _proposer(case: Recorded, ngram_max: int, tie: str, store=None) -> NgramProposer:
     """The engine's n-gram proposer on the case's prompt and first token; with `store` (a
-    spec.store_file.LearningStore that does not learn: the caller remembers the output after
-    the case) it also offers the draft store's continuations."""
+    speculative.learning_store.LearningStore that does not learn: the caller remembers the
+    output after the case) it also offers the draft store's continuations."""
     prop = NgramProposer(1, ngram_max, tie, token_classes=case.token_classes(), store=store)
     prop.begin(case.prompt)
     prop.accept(case.out[:1])

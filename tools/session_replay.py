@@ -34,8 +34,8 @@ from localspec.policy.acceptance import STORE_TERMS
 from localspec.policy.adaptive import AdaptivePolicy
 from localspec.policy.config import PolicyConfig
 from localspec.policy.costmodel import CostConfig, CostModel
-from localspec.speculative.store import DraftStore, capacity_for
-from localspec.speculative.store_file import LearningStore
+from localspec.speculative.learning_store import LearningStore
+from localspec.speculative.store import DraftStore, max_tokens_for
 from tools import replay as rp
 
 SESSIONS = "localspec/data/sessions.jsonl"
@@ -70,7 +70,7 @@ def replay_sessions(cases: list, curve: list, config: PolicyConfig = PolicyConfi
     make = lambda: AdaptivePolicy(CostModel(curve, rp.BASE_MS, CostConfig()), config)  # noqa
     rows = []
     for name, group in sessions_of(cases).items():
-        store = LearningStore(DraftStore(capacity_for(64)), None, learn=False)
+        store = LearningStore(DraftStore(max_tokens_for(64)), None, learn=False)
         try:
             for c in group:
                 ngram = rp.replay_case(c, make, curve).speedup
@@ -97,7 +97,7 @@ def store_rows(cases: list, k_max: int = K_MAX) -> list:
     model = AcceptanceModel(AcceptanceConfig(store_weights=(0.0,) * len(STORE_TERMS)))
     rows = []
     for name, group in sessions_of(cases).items():
-        store = LearningStore(DraftStore(capacity_for(64)), None, learn=False)
+        store = LearningStore(DraftStore(max_tokens_for(64)), None, learn=False)
         for c in group:
             out, n, state = c.out, len(c.out), RequestState()
             prop = rp._proposer(c, 8, "earliest", store)

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from localspec.speculative.store import BREAK, DraftStore, bytes_per_token
-from localspec.speculative.store_file import LearningStore, StoreFile
+from localspec.speculative.learning_store import LearningStore
+from localspec.speculative.store_file import StoreFile
 
 _PIECE = re.compile(r"\w+|\s+|[^\w\s]")
 
@@ -58,7 +59,7 @@ def step_cost(store: LearningStore, queries: np.ndarray, steps: int, k: int = 16
     store.begin_output()
     t0 = time.perf_counter()
     for i in range(steps):
-        m = store.store.propose(hist[pos - 6:pos], k)
+        m = store.propose(hist[pos - 6:pos], k)
         found += m is not None
         n = int(emitted[i])
         store.add(hist[pos:pos + n])
@@ -83,16 +84,16 @@ def main(argv=None) -> None:
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "s.lsds"
-            capacity = n + args.steps * 3 + 1000
-            StoreFile(path, "k" * 32, "bench", capacity).save(data[:n])
+            max_tokens = n + args.steps * 3 + 1000
+            StoreFile(path, "k" * 32, "bench", max_tokens).save(data[:n])
             t0 = time.perf_counter()
-            tokens = StoreFile(path, "k" * 32, "bench", capacity).load()
-            store = DraftStore(capacity)
+            tokens = StoreFile(path, "k" * 32, "bench", max_tokens).load()
+            store = DraftStore(max_tokens)
             store.extend(tokens)
             load_s = time.perf_counter() - t0
             learning = LearningStore(store, None, learn=True)
             us, found = step_cost(learning, queries, args.steps)
-            print(f"{n:>9} {capacity * per / 1e6:>7.1f} {os.path.getsize(path) / 1e6:>7.2f} "
+            print(f"{n:>9} {max_tokens * per / 1e6:>7.1f} {os.path.getsize(path) / 1e6:>7.2f} "
                   f"{load_s:>7.3f} {us:>8.2f} {found:>6.0%}")
             store.close()
 

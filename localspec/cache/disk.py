@@ -1,8 +1,8 @@
 """A prompt cache's folder on disk: every kept state written through to `<root>/<context key>/`
 (atomic files, format.py), found again by later processes, trimmed to a byte budget by least
 recent use. Whatever sits in the folder that is not a valid entry of the key asked for (damaged,
-another model's, a folder, a killed save's temporary file) is reported once and skipped or
-removed, never an error on every request.
+crafted, another model's, a folder, a killed save's temporary file) is reported once and skipped
+or set aside (NAME.rejected), never an error on every request. The folders are owner-only.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import hashlib
 import os
 import stat
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
-from ..catalog.pull import exclusive_lock
+from ..files.atomic import exclusive_lock, refused_line, remove_stale_temps, set_aside, warn
+from ..files.private import private_dir
 from .format import SUFFIX, Entry, Rejected, clean_of, read_header, write_file
 
 
@@ -39,7 +39,8 @@ class DiskFolder:
         folder = self.root / entry.key
         name = hashlib.sha256(entry.tokens.astype("<i4").tobytes()).hexdigest()[:24] + SUFFIX
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            private_dir(self.root)
+            private_dir(folder)
             with self.lock():
                 write_file(folder / name, entry.key, entry.tokens, entry.data, model_name,
                            clean=entry.clean)
@@ -85,28 +86,20 @@ class DiskFolder:
         self._index.pop(path, None)
 
     def discard(self, path: Path, why: Rejected) -> None:
-        """Say why a file in the folder is not loaded, and remove it (it can never load: files
-        appear there only by atomic rename, each key folder holds one key), unless another
-        process has meanwhile put a new file under that name: the check and the removal happen
-        under the lock that writers hold while they rename."""
-        print(f"localspec: ignoring prompt cache file {path}: {why}.", file=sys.stderr)
+        """Say why a file in the folder is not loaded, and set it aside (it can never load:
+        files appear there only by atomic rename, each key folder holds one key), unless
+        another process has meanwhile put a new file under that name: the check and the rename
+        happen under the lock that writers hold while they rename."""
         self._index.pop(path, None)
-        try:
-            with self.lock():
-                if why.inode is not None and path.stat().st_ino == why.inode:
-                    path.unlink()
-        except OSError:
-            pass
+        aside = set_aside(path, why.inode, self.root / ".lock") if why.inode is not None else None
+        warn(refused_line("prompt cache", path, str(why), aside))
 
     def _trim(self) -> None:
         """Evict least recently used entries until the folder fits the budget. Temporary files
         count too; those of a save that was killed (its process gone) are removed."""
-        files = []
-        for path in self.root.glob("*/.*.tmp"):
-            if stale_temp(path):
-                path.unlink(missing_ok=True)
-            else:
-                files.append((0, _size(path), None))     # another save in progress: count it
+        files = [(0, _size(path), None)              # another save in progress: count it
+                 for folder in self.root.iterdir() if folder.is_dir()
+                 for path in remove_stale_temps(folder)]
         for path in self.root.glob("*/*" + SUFFIX):
             if path.parent.name == "sessions":        # named saves are the user's, never evicted
                 continue
@@ -159,17 +152,3 @@ def _size(path: Path) -> int:
     except OSError:
         return 0
 
-
-def stale_temp(path: Path) -> bool:
-    """Whether a save's temporary file (".NAME.PID.RANDOM.tmp", format.write_file) was left by
-    a process that no longer runs, and has not been written for a minute."""
-    try:
-        pid = int(path.name.rsplit(".", 3)[-3])
-        if time.time() - path.stat().st_mtime < 60:
-            return False
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (ValueError, IndexError, OSError):
-        return False
-    return False

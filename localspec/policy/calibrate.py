@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Optional, Sequence
 
 from .costmodel import Stability, ratio_stability, round_stability
-from ..files import cache_dir, env_number
+from ..files import cache_dir, env_number, jsonsafe
+from ..files.atomic import atomic_write, set_aside, warn
 from ..llama import Context, system_info, tiled_matmul_off
 from .draft_estimate import CostCurve
 from ..llama.rpc import attached as rpc_attached
@@ -173,8 +174,6 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
     cached = None
     if not force and path.exists():
         cached = _read_curve(path, k_max, key)
-        if cached is None and progress:
-            progress(f"the cached cost curve {path} is damaged; measuring it again.")
     if cached is not None and cached.notes.get("complete", True):
         st = cached.notes.get("stability")
         if st is None or not st.noisy or cached.notes.get("remeasured", 0) >= REMEASURE_NOISY:
@@ -242,17 +241,13 @@ def _keep(path, ctx: Context, curve: CostCurve, remeasured: int, progress) -> No
 
 
 def _write(path, ctx: Context, curve: CostCurve, remeasured: int) -> None:
-    tmp = path.with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
-                                   "model": str(ctx.model.path), "threads": ctx.n_threads,
-                                   "stability": asdict(curve.notes["stability"]),
-                                   "remeasured": remeasured,
-                                   "samples": curve.notes.get("samples", {}),
-                                   "complete": curve.notes.get("complete", True)}))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """The curve as the cache file's JSON, atomically and owner-only (files/atomic.py)."""
+    text = json.dumps({"ratios": curve.ratios, "ms_per_step": curve.ms_per_step,
+                       "model": str(ctx.model.path), "threads": ctx.n_threads,
+                       "stability": asdict(curve.notes["stability"]), "remeasured": remeasured,
+                       "samples": curve.notes.get("samples", {}),
+                       "complete": curve.notes.get("complete", True)})
+    atomic_write(Path(path), lambda f: f.write(text.encode()))
 
 
 def newest_cached(model_name: str, threads: int):
@@ -261,14 +256,12 @@ def newest_cached(model_name: str, threads: int):
     for tools that have no context to compute a key from (the policy replay)."""
     found = []
     for path in cache_dir("calibration").glob("*.json"):
-        try:
-            data = json.loads(path.read_text())
-            ok = data.get("threads") == threads and str(data.get("model", "")).endswith(model_name)
-            curve = _parse_curve(data, len(data["ratios"]) - 1, path.stem) if ok else None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue
-        if curve is not None:
-            found.append((path.stat().st_mtime, str(path), curve))
+        data = _read_json(path)
+        if isinstance(data, dict) and data.get("threads") == threads and \
+                str(data.get("model", "")).endswith(model_name):
+            curve = _parse_curve(path, data, None, path.stem)
+            if curve is not None:
+                found.append((path.stat().st_mtime, str(path), curve))
     if not found:
         return None
     _, path, curve = max(found, key=lambda t: t[:2])
@@ -276,34 +269,82 @@ def newest_cached(model_name: str, threads: int):
 
 
 def _read_curve(path, k_max: int, key: str):
-    """The curve stored at `path`, or None unless it has the shape a measurement writes."""
-    try:
-        return _parse_curve(json.loads(path.read_text()), k_max, key)
-    except (OSError, ValueError):
-        return None
+    """The curve stored at `path`, or None (a file that is not one is set aside, one line)."""
+    data = _read_json(path)
+    return None if data is None else _parse_curve(path, data, k_max, key)
 
 
-def _parse_curve(data, k_max: int, key: str):
-    """The curve in a cache file's JSON, or None unless it has the shape a measurement writes:
-    ratios r(0..k_max) of numbers >= 1 starting at 1, and a positive step time."""
+def _read_json(path):
+    """A cache file's JSON, None when unreadable or not JSON (set aside, one line)."""
     try:
-        ratios, ms = data["ratios"], data["ms_per_step"]
-        if not (isinstance(ratios, list) and len(ratios) == k_max + 1
-                and all(isinstance(r, (int, float)) and r >= 1.0 for r in ratios)
-                and isinstance(ms, (int, float)) and ms > 0):
-            return None
-        notes = {"remeasured": int(data.get("remeasured", 0)),
-                 "complete": data.get("complete", True) is not False}
-        if isinstance(data.get("stability"), dict):
-            notes["stability"] = Stability(**data["stability"])
-        samples = data.get("samples", {})
-        names = {"t0", *map(str, range(1, k_max + 1))}
-        if isinstance(samples, dict) and set(samples) <= names and all(
-                isinstance(v, list) and all(isinstance(x, (int, float)) and x > 0 for x in v)
-                for v in samples.values()):
-            notes["samples"] = samples
-        elif not notes["complete"]:
-            return None                  # an unfinished curve without its samples: start over
-        return CostCurve(tuple(float(r) for r in ratios), float(ms), key, notes)
-    except (ValueError, KeyError, TypeError):
+        return jsonsafe.loads(Path(path).read_bytes())
+    except ValueError as e:
+        _refuse(path, f"not a cost curve ({e})")
+    except OSError:
+        pass
+    return None
+
+
+def _parse_curve(path, data, k_max: Optional[int], key: str):
+    """The curve in a cache file's JSON, or None (set aside, one line) unless validate_curve
+    passes it: ratios r(0..k_max) of numbers >= 1 starting at 1, and a positive step time."""
+    try:
+        validate_curve(data, k_max)
+    except ValueError as e:
+        _refuse(path, str(e))
         return None
+    samples, complete = data.get("samples", {}), data.get("complete", True)
+    notes = {"remeasured": data.get("remeasured", 0), "complete": complete, "samples": samples}
+    if "stability" in data:
+        notes["stability"] = Stability(**data["stability"])
+    return CostCurve(tuple(float(r) for r in data["ratios"]), float(data["ms_per_step"]), key,
+                     notes)
+
+
+_NUMBER = (int, float)
+_STABILITY = {"rounds": int, "spread": _NUMBER, "worst_k": int, "worst_spread": _NUMBER,
+              "base_spread": _NUMBER, "step_ms": _NUMBER}
+
+
+def validate_curve(data, k_max: Optional[int]) -> None:
+    """ValueError (why, in a few words) unless `data` has the types and ranges _write gives a
+    curve: a crafted file (a `remeasured` of 1e300, samples that are not numbers) must not
+    fail every later run. k_max None: any length of ratios."""
+    def number(x, low: float, high: float) -> bool:
+        return type(x) in (int, float) and low <= x <= high
+
+    if not isinstance(data, dict):
+        raise ValueError("not a cost curve (not an object)")
+    ratios = data.get("ratios")
+    if not (isinstance(ratios, list) and 2 <= len(ratios) <= 65
+            and (k_max is None or len(ratios) == k_max + 1)
+            and all(number(r, 1.0, 1e6) for r in ratios)):
+        raise ValueError("its ratios are not a cost curve r(0..k) of numbers >= 1")
+    if not number(data.get("ms_per_step"), 1e-6, 1e7):
+        raise ValueError("its step time is not a positive number of ms")
+    if type(data.get("remeasured", 0)) is not int or not 0 <= data.get("remeasured", 0) <= 1000:
+        raise ValueError("its remeasured count is not a small whole number")
+    if type(data.get("complete", True)) is not bool:
+        raise ValueError("its complete flag is not true or false")
+    st = data.get("stability", {})
+    if not (isinstance(st, dict) and all(k in _STABILITY for k in st)
+            and ("stability" not in data or set(st) >= set(_STABILITY) - {"step_ms"})
+            and all(type(v) in ((int,) if _STABILITY[k] is int else _NUMBER) and
+                    abs(v) <= 1e9 for k, v in st.items())):
+        raise ValueError("its stability is not a calibration's")
+    samples = data.get("samples", {})
+    names = {"t0", *map(str, range(1, len(ratios)))}
+    if not (isinstance(samples, dict) and set(samples) <= names and all(
+            isinstance(v, list) and len(v) <= 1000 and all(number(x, 1e-12, 1e6) and x > 0
+                                                          for x in v)
+            for v in samples.values())):
+        raise ValueError("its samples are not timings")
+
+
+def _refuse(path, why: str) -> None:
+    """One line and the file set aside (as every reader of localspec's files does with one it
+    refuses): the next measurement writes a new one."""
+    aside = set_aside(Path(path), None)
+    moved = f"; moved it to {aside.name}" if aside is not None else ""
+    warn(f"localspec: the cached cost curve {path} is damaged; measuring it again "
+         f"({why}{moved}).")

@@ -22,7 +22,7 @@ from ..llama import (Context, ContextParams, Model, ModelParams, batch_invariant
                      enable_exact_kernels)
 from ..policy.draft_estimate import DraftPolicy
 from ..cache.prompt_cache import PromptCache, default_budget_mb
-from .store_file import LearningStore
+from .learning_store import LearningStore
 from .proposers import DraftProposer, HybridProposer, NgramProposer, Proposer
 from ..llama.rpc import attach as attach_rpc
 

@@ -21,12 +21,16 @@ TIE_LONGEST = "longest"      # newest occurrence whose continuation is not cut s
 _TIES = {TIE_RECENT: lib.LSNG_TIE_RECENT, TIE_EARLIEST: lib.LSNG_TIE_EARLIEST,
          TIE_LONGEST: lib.LSNG_TIE_LONGEST}
 NGRAM_LIMIT = lib.LSNG_NGRAM_LIMIT     # largest ngram_max
-MAX_CHAIN = lib.LSNG_MAX_CHAIN         # occurrences visited by TIE_LONGEST and candidates()
+MAX_VISITED = lib.LSNG_MAX_CHAIN       # occurrences of one n-gram visited: TIE_LONGEST,
+                                       # candidates(), support()
 MAX_CAPACITY = lib.LSNG_MAX_CAPACITY   # most tokens one index holds (2**30)
-# The proposer's defaults, chosen by replaying the workloads' plain outputs through the matcher
-# (scripts/policy_replay.py): suffixes up to 8 tokens and the earliest occurrence (the quoted
-# source rather than the model's own recent echo of it) predict code edits best: 2.84x vs 2.55x
-# in decode-step units for up to 4 tokens and the most recent occurrence.
+# The proposer's defaults, here only (the C params struct has none of its own): NGRAM_MAX, the
+# longest suffix prompt lookup matches (the draft store matches contexts of its own lengths,
+# store.CONTEXT_MIN..CONTEXT_MAX), and the tie rule, chosen by replaying the workloads' plain
+# outputs through the matcher (scripts/policy_replay.py): suffixes up to 8 tokens and the
+# earliest occurrence (the quoted source rather than the model's own recent echo of it) predict
+# code edits best: 2.84x vs 2.55x in decode-step units for up to 4 tokens and the most recent
+# occurrence.
 NGRAM_MAX = 8
 NGRAM_TIE = TIE_EARLIEST
 _TOKEN_MAX = 2**31 - 1
@@ -100,7 +104,7 @@ class NgramIndex:
 
     tie picks among earlier occurrences of the matched suffix: "recent" the newest, "earliest"
     the oldest, "longest" the newest whose continuation is not cut short by the end of its
-    source (k tokens follow it), else the oldest of the MAX_CHAIN newest.
+    source (k tokens follow it), else the oldest of the MAX_VISITED newest.
     """
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = NGRAM_MAX, tie: str = NGRAM_TIE,
@@ -230,7 +234,7 @@ class NgramIndex:
 
     def support(self, m: Match) -> tuple[int, np.ndarray]:
         """(n_occ, agree) for a proposal `m` that propose() just returned: n_occ = how many of
-        the MAX_CHAIN newest earlier occurrences of its matched suffix were visited (in m's
+        the MAX_VISITED newest earlier occurrences of its matched suffix were visited (in m's
         source), agree[i] = how many of them continue with m.tokens[0..i] (csrc/ngram.h,
         SUPPORT). Call it before the index changes.
 
@@ -285,7 +289,7 @@ class NgramIndex:
 
     def candidates(self, k: int, n: int) -> list[Match]:
         """Up to n distinct continuations: propose(k)'s first, then for each suffix length
-        (longest first; history before document) the tie pick and the MAX_CHAIN most recent
+        (longest first; history before document) the tie pick and the MAX_VISITED most recent
         occurrences. Duplicates (equal token lists) are skipped.
 
         >>> idx = NgramIndex(ngram_min=1, ngram_max=2)
@@ -298,7 +302,7 @@ class NgramIndex:
         n = operator.index(n)
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        n = min(n, 2 * (self.ngram_max - self.ngram_min + 1) * (MAX_CHAIN + 1))
+        n = min(n, 2 * (self.ngram_max - self.ngram_min + 1) * (MAX_VISITED + 1))
         if n == 0:
             return []
         out = np.empty((n, size), np.int32)  # [n, size] int32, row i holds candidate i

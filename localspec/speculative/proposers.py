@@ -24,7 +24,7 @@ from ..policy.acceptance import DraftFeatures, Offer
 from ..policy.calibrate import first_run_budget, load_or_measure
 from ..llama import PREFILL_GRID, Context, ContextParams, Model
 from .ngram import NGRAM_MAX, NGRAM_TIE, SOURCE_DOCUMENT, NgramIndex
-from .store_file import LearningStore
+from .learning_store import LearningStore
 from ..policy.draft_estimate import CostCurve
 from .sampling import SamplingParams, draw, target_dist
 
@@ -103,7 +103,7 @@ class NgramProposer(Proposer):
         self._index.set_document(list(document) if document else None)
         if self.store is not None:
             self.store.end_output()        # a request left unfinished by its caller
-            self._recent = list(history[-self.store.store.ngram_max:])
+            self._recent = list(history[-self.store.context_max:])
             self.store.begin_output(self._recent)
 
     def features(self, limit: int) -> Optional[DraftFeatures]:
@@ -119,7 +119,7 @@ class NgramProposer(Proposer):
 
     def store_features(self, limit: int) -> Optional[DraftFeatures]:
         """The store's draft for the current context, with its continuation counts."""
-        m = self.store.store.propose(self._recent, limit) if self.store is not None else None
+        m = self.store.propose(self._recent, limit) if self.store is not None else None
         if m is None:
             return None
         # No line-break / sentence-end classes: a quoted source is left at those, but a past
@@ -151,7 +151,7 @@ class NgramProposer(Proposer):
                 self.store.checked(tokens[0] == self._offered)
                 self._offered = None
             self.store.add(tokens)
-            self._recent = (self._recent + tokens)[-self.store.store.ngram_max:]
+            self._recent = (self._recent + tokens)[-self.store.context_max:]
 
     def end(self) -> None:
         if self.store is not None:

@@ -2,17 +2,18 @@
 context before, with continuation counts (a typed wrapper over csrc/store.h).
 
 Suffix decoding for one machine: every output a request produces joins the store (one per
-model, persisted by store_file.py), and later requests of any kind ask it, with their last few
-tokens, "what came next the times this was written before?". The answer is a draft grown down
-the implicit suffix tree of the stored outputs, the most frequent continuation first, with its
-counts: agree[i] of n_occ earlier occurrences continue with tokens[0..i]; the product of the
-child/parent count ratios is its score. The acceptance model reads the counts (share = the
-ratio, log_support = the count) exactly as it reads prompt lookup's occurrence support.
+model, held by learning_store.py, persisted by store_file.py), and later requests of any kind
+ask it, with their last few tokens, "what came next the times this was written before?". The
+answer is a draft grown down the implicit suffix tree of the stored outputs, the most frequent
+continuation first, with its counts: agree[i] of n_occ earlier occurrences continue with
+tokens[0..i]; the product of the child/parent count ratios is its score. The acceptance model
+reads the counts (share = the ratio, log_support = the count) exactly as it reads prompt
+lookup's occurrence support.
 
-Memory is bounded: at most `capacity` tokens, from a budget in MB (capacity_for); the index
-starts small and doubles as outputs arrive (a new store costs ~4 MB, not the budget), and once
-at the budget the oldest half is dropped (eviction by age: old sessions matter least). Not
-thread-safe.
+Memory is bounded: at most `max_tokens` tokens, from a budget in MB (max_tokens_for); the C
+index's `capacity` (what its block holds now) starts small and doubles as outputs arrive (a new
+store costs ~4 MB, not the budget), and once at max_tokens the oldest half is dropped (eviction
+by age: old sessions matter least). Not thread-safe.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import numpy as np
 from localspec._ngram_c import ffi, lib
 
 BREAK = lib.LSST_BREAK          # ends one past output in the corpus
-NGRAM_MIN, NGRAM_MAX = 2, 6     # context lengths tried; 1-token contexts drawn from a million
-                                # tokens are noise, and prompt lookup covers them in-request
-MAX_CHAIN = 64                  # newest occurrences counted (a count is at most this)
+CONTEXT_MIN, CONTEXT_MAX = 2, 6     # context lengths tried; 1-token contexts drawn from a
+                                    # million tokens are noise, and prompt lookup covers them
+MAX_COUNTED = 64                # newest occurrences counted (a count is at most this)
 FLOOR = 0.1                     # least score (product of count ratios) a drafted token may have
-MAX_CAPACITY = lib.LSST_MAX_CAPACITY
+MAX_CAPACITY = lib.LSST_MAX_CAPACITY    # the most tokens one C index holds (2**28)
 _K = 64                          # output buffers: the policy never asks for more (K_LIMIT 16)
 _START = 1 << 16                 # tokens a new store's index holds before it first doubles
 _alloc = ffi.new_allocator(should_clear_after_alloc=False)
@@ -40,7 +41,7 @@ _alloc = ffi.new_allocator(should_clear_after_alloc=False)
 class StoreMatch:
     tokens: list         # [n] the draft, most frequent continuation first
     agree: list          # [n] occurrences that continue with tokens[0..i] (non-increasing)
-    n_occ: int           # occurrences of the matched context visited (<= MAX_CHAIN)
+    n_occ: int           # occurrences of the matched context visited (<= MAX_COUNTED)
     ngram_len: int       # length of the matched context
     score: float         # product of agree[i] / agree[i-1] (agree[-1] = n_occ)
 
@@ -49,16 +50,17 @@ def _params(ngram_min: int, ngram_max: int, max_chain: int, floor: float):
     return ffi.new("lsst_params *", [ngram_min, ngram_max, max_chain, floor])
 
 
-def bytes_per_token(ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX) -> float:
-    """RAM one token of capacity costs (tokens, chains, hash slots at their worst load)."""
+def bytes_per_token(ngram_min: int = CONTEXT_MIN, ngram_max: int = CONTEXT_MAX) -> float:
+    """RAM one token of index capacity costs (tokens, chains, hash slots at their worst load)."""
     cap = 1 << 20
-    return lib.lsst_bytes(_params(ngram_min, ngram_max, MAX_CHAIN, FLOOR), cap) / cap
+    return lib.lsst_bytes(_params(ngram_min, ngram_max, MAX_COUNTED, FLOOR), cap) / cap
 
 
-def capacity_for(budget_mb: float, ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX) -> int:
+def max_tokens_for(budget_mb: float, ngram_min: int = CONTEXT_MIN,
+                   ngram_max: int = CONTEXT_MAX) -> int:
     """The most tokens a store of `budget_mb` MB of RAM holds (its file takes 4 bytes a token,
     a sixteenth of that): the hash tables grow in powers of two, so it is searched for."""
-    params, budget = _params(ngram_min, ngram_max, MAX_CHAIN, FLOOR), max(0.0, budget_mb) * 1e6
+    params, budget = _params(ngram_min, ngram_max, MAX_COUNTED, FLOOR), max(0.0, budget_mb) * 1e6
     lo, hi = 0, MAX_CAPACITY
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -69,27 +71,30 @@ def capacity_for(budget_mb: float, ngram_min: int = NGRAM_MIN, ngram_max: int = 
     return lo
 
 
+capacity_for = max_tokens_for   # the name cli/store.py still imports (another engineer's file)
+
+
 class DraftStore:
     """The store's tokens and index. append() outputs (a BREAK between them), propose() drafts.
 
-    >>> s = DraftStore(capacity=100)
+    >>> s = DraftStore(max_tokens=100)
     >>> s.extend([1, 2, 3, BREAK, 1, 2, 3, BREAK, 1, 2, 4, BREAK])
     >>> m = s.propose([0, 1, 2], 8); m.tokens, m.agree, m.n_occ, round(m.score, 3)
     ([3], [2], 3, 0.667)
     """
 
-    def __init__(self, capacity: int, ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX,
-                 max_chain: int = MAX_CHAIN, floor: float = FLOOR):
-        capacity = operator.index(capacity)
-        if not 1 <= capacity <= MAX_CAPACITY:
-            raise ValueError(f"capacity must be in [1, {MAX_CAPACITY}], got {capacity}")
+    def __init__(self, max_tokens: int, ngram_min: int = CONTEXT_MIN,
+                 ngram_max: int = CONTEXT_MAX, max_chain: int = MAX_COUNTED, floor: float = FLOOR):
+        max_tokens = operator.index(max_tokens)
+        if not 1 <= max_tokens <= MAX_CAPACITY:
+            raise ValueError(f"max_tokens must be in [1, {MAX_CAPACITY}], got {max_tokens}")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self.max_capacity = capacity
+        self.max_tokens = max_tokens       # the budget's; the C index's capacity grows to it
         self._params = _params(ngram_min, ngram_max, max_chain, floor)
-        if not lib.lsst_bytes(self._params, capacity):
+        if not lib.lsst_bytes(self._params, max_tokens):
             raise ValueError(f"invalid store parameters: ngram {ngram_min}..{ngram_max}, "
                              f"max_chain {max_chain}, floor {floor}")
-        self._mem, self._store = self._new_index(min(capacity, _START))
+        self._mem, self._store = self._new_index(min(max_tokens, _START))
         self._ctx = ffi.new("int32_t[]", ngram_max)
         self._tokens = ffi.new("int32_t[]", _K)
         self._agree = ffi.new("int32_t[]", _K)
@@ -110,7 +115,7 @@ class DraftStore:
         capacity = lib.lsst_capacity(old)
         while capacity < need:
             capacity *= 2
-        mem, store = self._new_index(min(capacity, self.max_capacity))
+        mem, store = self._new_index(min(capacity, self.max_tokens))
         self._check(lib.lsst_append(store, lib.lsst_tokens(old), lib.lsst_len(old)), "grow")
         self._mem, self._store = mem, store
 
@@ -130,11 +135,6 @@ class DraftStore:
     def __len__(self) -> int:
         return lib.lsst_len(self._live())
 
-    @property
-    def capacity(self) -> int:
-        """The most tokens it may hold (the budget's), whatever its index holds now."""
-        return self.max_capacity
-
     def tokens(self) -> np.ndarray:
         """[len] int32 copy of the corpus (BREAK between outputs), oldest first."""
         n = len(self)
@@ -144,21 +144,21 @@ class DraftStore:
         """Append token ids (>= 0) and BREAKs; when full, the oldest half is evicted first (the
         newest tokens of a batch larger than the store are kept)."""
         store = self._live()
-        cap = self.max_capacity
-        if type(tokens) is list and len(tokens) <= min(64, cap):     # the per-step path
+        limit = self.max_tokens
+        if type(tokens) is list and len(tokens) <= min(64, limit):     # the per-step path
             buf = ffi.new("int32_t[]", tokens)
         else:
-            arr = np.ascontiguousarray(tokens, dtype=np.int32)[-cap:]
+            arr = np.ascontiguousarray(tokens, dtype=np.int32)[-limit:]
             buf = ffi.from_buffer("int32_t[]", arr)
         n = len(buf)
         rc = lib.lsst_append(store, buf, n)
-        if rc == lib.LSST_ERR_FULL and lib.lsst_capacity(store) < cap:
+        if rc == lib.LSST_ERR_FULL and lib.lsst_capacity(store) < limit:
             self._grow(lib.lsst_len(store) + n)
             store = self._store
             rc = lib.lsst_append(store, buf, n)
         if rc == lib.LSST_ERR_FULL:
             held = lib.lsst_len(store)
-            drop = max(held // 2, held + n - cap)
+            drop = max(held // 2, held + n - limit)
             self._check(lib.lsst_drop_oldest(store, drop), "evict")
             self.n_evicted += drop
             rc = lib.lsst_append(store, buf, n)

@@ -1,7 +1,10 @@
 """Where localspec keeps its files, the cheap check that a file is a GGUF model at all, and
-the numbers read from the environment.
+the numbers read from the environment. The file plumbing every writer and reader shares lives
+beside it: private.py (owner-only modes), atomic.py (the folder lock, atomic writes, stale
+temporary files, refused files set aside), jsonsafe.py (JSON headers parsed without surprises),
+container.py (the checksummed token file of the prompt cache and the draft store).
 
-Standard library only: the bottom layer, used by the llama door, calibration and the catalog alike.
+The bottom layer, used by the llama door, the cache, calibration, the store and the catalog.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .errors import LocalspecError
+from ..errors import LocalspecError
+from .private import PRIVATE_FILE, private_dir
 
 GGUF_MAGIC = b"GGUF"
 
@@ -46,12 +50,13 @@ def localspec_home() -> Path:
 
 
 def cache_dir(*parts: str) -> Path:
-    """`localspec_home()/parts...`, created if needed; a home that cannot hold directories (a
-    regular file, no permission) is a one-line error naming the variable that set it."""
+    """`localspec_home()/parts...`, created if needed (owner-only: private.py); a home that
+    cannot hold directories (a regular file, no permission) is a one-line error naming the
+    variable that set it."""
     home = localspec_home()
     path = home.joinpath(*parts)
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
         source = "LOCALSPEC_HOME" if os.environ.get("LOCALSPEC_HOME") else \
             "XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "the default cache path"
@@ -66,10 +71,12 @@ def write_crash_report(exc: BaseException) -> Path:
     cache directory if it is usable, else the system's temporary directory."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    for folder in (lambda: cache_dir("crashes"), lambda: Path(tempfile.gettempdir())):
+    for folder in (lambda: private_dir(cache_dir("crashes")), lambda: Path(tempfile.gettempdir())):
         try:
             path = folder() / f"localspec-crash-{stamp}-{os.getpid()}.txt"
-            path.write_text(text)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE),
+                      "w") as f:          # a traceback may quote a prompt
+                f.write(text)
             return path
         except (OSError, LocalspecError):
             continue
