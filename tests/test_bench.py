@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from localspec.policy.config import PolicyConfig
+from localspec.speculative.config import EngineConfig
 from localspec.bench import (DEFAULT_WORKLOADS, Bench, BenchSettings, Case, Row, first_difference,
                              geomean, load_workloads, parse_modes, read_source, summarize)
 from localspec.bench import format_rows, format_summary
 from localspec.cli.bench import bench, main
 from localspec.errors import LocalspecError
 
+CTX_2048 = EngineConfig(n_ctx=2048)      # what every engine mode starts from, in these tests
 SMALL_WORKLOADS = [
     {"id": "edit-indent", "kind": "code-edit", "source": {"python": "textwrap:indent"},
      "instruction": "Add type hints. Output only the function.", "max_tokens": 20},
@@ -136,11 +139,11 @@ def test_summarize_geomean_worst_case_and_identity():
 def test_bench_on_tiny_model_ngram_modes_match_plain(tiny_path, small_workloads):
     cases = load_workloads(small_workloads)
     lines = []
-    settings = BenchSettings(str(tiny_path), max_tokens=16, n_ctx=2048)
+    settings = BenchSettings(str(tiny_path), CTX_2048, max_tokens=16)
     modes = ("plain", "ngram", "ngram-k3", "peer")
     with Bench(parse_modes(",".join(modes)), settings, say=lines.append) as b:
         rows = b.run(cases)
-        policy = b.engines["ngram"]._policy(None).config
+        policy = b.engines["ngram"]._policy_for(None)[0].config
     assert [(r.case, r.mode) for r in rows] == [(c.id, m) for c in cases for m in modes]
     assert policy == PolicyConfig()
     for r in rows:
@@ -160,7 +163,7 @@ def test_bench_on_tiny_model_ngram_modes_match_plain(tiny_path, small_workloads)
 
 
 def test_rounds_give_medians_of_side_by_side_ratios(tiny_path, small_workloads):
-    settings = BenchSettings(str(tiny_path), max_tokens=12, n_ctx=2048, warmup=False, rounds=3)
+    settings = BenchSettings(str(tiny_path), CTX_2048, max_tokens=12, warmup=False, rounds=3)
     lines = []
     with Bench(parse_modes("plain,ngram-k2"), settings, say=lines.append) as b:
         rows = b.run(load_workloads(small_workloads, ids=["chat-hi", "sum-pass"]))
@@ -187,7 +190,7 @@ def test_a_repeat_round_reproduces_the_cold_round(tiny_path, small_workloads):
     from localspec.speculative.sampling import SamplingParams
 
     case = load_workloads(small_workloads, ids=["sum-pass"])[0]
-    with Bench(parse_modes("plain"), BenchSettings(str(tiny_path), n_ctx=2048)) as b:
+    with Bench(parse_modes("plain"), BenchSettings(str(tiny_path), CTX_2048)) as b:
         engine = b.engines["plain"]
         n_prompt = len(engine.tokenize_prompt(case.messages()))
         assert n_prompt > PREFILL_GRID          # more than one chunk, so some rows are kept
@@ -218,7 +221,7 @@ def test_lockstep_takes_turns_by_tokens_and_times_each_mode_alone(tiny_path, sma
         return real_turn(self)
 
     case = load_workloads(small_workloads, ids=["sum-pass"])[0]
-    settings = BenchSettings(str(tiny_path), n_ctx=2048, warmup=False)
+    settings = BenchSettings(str(tiny_path), CTX_2048, warmup=False)
     with Bench(parse_modes("plain,ngram-k2"), settings) as b:
         alone = {m: engine_run.run_engine(e, case, SamplingParams(), 24)
                  for m, e in b.engines.items()}
@@ -248,7 +251,7 @@ def test_ctrl_c_in_lockstep_ends_both_requests_cleanly(tiny_path, small_workload
     from localspec.speculative.sampling import SamplingParams
 
     case = load_workloads(small_workloads, ids=["sum-pass"])[0]
-    with Bench(parse_modes("plain,ngram-k2"), BenchSettings(str(tiny_path), n_ctx=2048)) as b:
+    with Bench(parse_modes("plain,ngram-k2"), BenchSettings(str(tiny_path), CTX_2048)) as b:
         before = engine_run.run_lockstep(b.engines, case, SamplingParams(), 16)
         real_turn, calls = engine_run.EngineRun.turn, []
 
@@ -270,7 +273,7 @@ def test_ctrl_c_in_lockstep_ends_both_requests_cleanly(tiny_path, small_workload
 
 
 def test_bench_lockstep_rounds_match_plain(tiny_path, small_workloads):
-    settings = BenchSettings(str(tiny_path), max_tokens=12, n_ctx=2048, warmup=False, rounds=2,
+    settings = BenchSettings(str(tiny_path), CTX_2048, max_tokens=12, warmup=False, rounds=2,
                              lockstep=True)
     lines = []
     with Bench(parse_modes("plain,ngram-k2"), settings, say=lines.append) as b:
@@ -315,7 +318,7 @@ def test_draft_and_hybrid_modes_match_plain(tiny_path, tiny_dir, small_workloads
     draft = tiny_dir / "tiny-bench-draft.gguf"
     if not draft.exists():
         make_tiny_gguf(draft, seed=1, logit_scale=3.0)
-    settings = BenchSettings(str(tiny_path), draft=str(draft), max_tokens=12, n_ctx=2048,
+    settings = BenchSettings(str(tiny_path), replace(CTX_2048, draft=str(draft)), max_tokens=12,
                              warmup=False)
     with Bench(parse_modes("plain,draft-k2,hybrid"), settings) as b:
         rows = b.run(load_workloads(small_workloads, ids=["chat-hi"]))
@@ -374,7 +377,7 @@ def test_unknown_mode_and_kind_are_one_line_errors(capsys, small_workloads):
 @pytest.mark.smollm
 def test_peer_on_smollm_counts_tokens_and_compares_text(smollm_path, small_workloads):
     """On a real model the peer's text is comparable with plain's (greedy)."""
-    settings = BenchSettings(str(smollm_path), max_tokens=24, n_ctx=2048, warmup=False)
+    settings = BenchSettings(str(smollm_path), CTX_2048, max_tokens=24, warmup=False)
     with Bench(parse_modes("plain,ngram,peer"), settings) as b:
         rows = b.run(load_workloads(small_workloads, ids=["chat-hi", "edit-indent"]))
     for r in rows:
@@ -409,7 +412,7 @@ def test_store_mode_sessions_start_empty_and_learn_in_file_order(tiny_path, tmp_
                             for s in ("a", "b") for i in (1, 2)))
     cases = load_workloads(path)
     assert [c.session for c in cases] == ["a", "a", "b", "b"]
-    settings = BenchSettings(str(tiny_path), n_ctx=1024, warmup=False)
+    settings = BenchSettings(str(tiny_path), EngineConfig(n_ctx=1024), warmup=False)
     with Bench(parse_modes("plain,ngram-k4,store-k4"), settings) as b:
         rows = b.run(cases)
     store = {r.case: r.stats.get("store_tokens", 0) for r in rows if r.mode == "store-k4"}

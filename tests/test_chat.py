@@ -181,12 +181,16 @@ def test_piped_conversation(tiny_path, home):
 
 
 def test_piped_overflow_drops_turns_and_skips_too_long(tiny_path, home):
+    """The message too long for the context is skipped and the chat goes on; the run then exits
+    1, so a script sees that one of its messages got no reply."""
     lines = [f"message {i}: tell me about the weather today" for i in range(5)]
     lines += ["far too long " * 40, "short again"]
     rc, out, err = run_piped(tiny_path, home, "\n".join(lines) + "\n", "--ctx", "256", "-n", "16",
                              "--system", "be brief")
-    assert rc == 0, err
+    assert rc == 1, err
     assert "dropped the" in err and "it was not sent" in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("error: 6 of 7 messages got a reply (1 failed; the "
+                                            "reasons are above).")
     expected, _ = replay(tiny_path, lines, n_ctx=256, max_tokens=16, system="be brief")
     assert out == expected
 

@@ -389,6 +389,8 @@ def run_batch(sources: Sequence[Source], open_summarizer: Callable[[], Summarize
                 result.failed += 1
                 progress.failed(i, src, str(e))
                 continue
+            except BrokenPipeError:                       # stdout's reader is gone (`| head`):
+                raise                                     # the batch ends there, quietly
             except OSError as e:                          # the output could not be written
                 result.failed += 1
                 progress.failed(i, src, f"cannot write {target}: {e.strerror or e}")

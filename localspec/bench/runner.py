@@ -9,7 +9,7 @@ import json
 import os
 import platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -20,7 +20,7 @@ from ..speculative.engine import Engine
 from ..errors import LocalspecError
 from ..speculative.factory import load_model
 from ..llama.buildflags import cpu_model, read_cpuinfo
-from ..llama import default_threads, library_account, system_info
+from ..llama import Model, default_threads, library_account, system_info
 from ..policy.config import K_LIMIT, PolicyConfig
 from ..speculative.sampling import SamplingParams, top2_gap
 from .engine_run import run_engine, run_lockstep
@@ -93,18 +93,23 @@ def plain_gap(engine: Engine, prompt_tokens: list, prefix: list) -> float:
 
 @dataclass(frozen=True)
 class BenchSettings:
-    target: str = "default"
-    draft: Optional[str] = None       # draft model for the draft and hybrid modes
+    """What every mode of a run shares: the model, the engine settings each engine mode starts
+    from (the CLI builds them as every command does; a mode then sets its proposer, draft store
+    and policy, with the prompt cache off so every request starts cold), the sampler, and how
+    the run goes."""
+
+    model: str = "default"
+    engine: EngineConfig = EngineConfig()   # its draft: the model of the draft and hybrid modes
     sampling: SamplingParams = SamplingParams()
     max_tokens: Optional[int] = None  # cap on each case's own budget
-    n_ctx: int = 4096
-    n_threads: Optional[int] = None
-    n_gpu_layers: int = 0
-    exact: bool = False               # batch-invariant CPU kernels for every engine mode
-    rpc: tuple = ()                   # `localspec rpc-server`s holding the offloaded layers
     warmup: bool = True
     rounds: int = 1                   # runs of every (case, mode); ratios are per-round medians
     lockstep: bool = False            # engine modes of a case decode turn about (engine_run.py)
+
+    def mode_config(self, mode: "Mode") -> EngineConfig:
+        return replace(self.engine, proposer=mode.proposer, policy=mode.policy,
+                       cache_mb=0,    # every request starts cold
+                       store=mode.store, store_disk=False, learn=False)
 
 
 class Bench:
@@ -112,46 +117,46 @@ class Bench:
     appends a Row per (case, mode) to `self.rows` as it goes, so an interrupt keeps them."""
 
     def __init__(self, modes: Sequence[Mode], settings: BenchSettings = BenchSettings(),
-                 say: Say = lambda s: None, live: Optional[Say] = None):
+                 say: Say = lambda s: None, live: Optional[Say] = None,
+                 check_model: Optional[Callable[[Model], None]] = None):
+        """`check_model` sees the loaded model before any context is made (the CLI's limits)."""
         self.modes, self.settings, self.say, self.live = list(modes), settings, say, live
         self.rows: list = []
+        self.engines: dict = {}
+        self.peers: dict = {}
         # Exact mode is chosen before any decode in this process; the peer shares it, and so its
         # libraries (llamafile-free): one set of llama.cpp libraries per process.
         # RPC servers are attached process-wide: the peer's offloaded layers go there too.
-        self.model = load_model(settings.target, settings.n_gpu_layers, settings.exact,
-                                settings.rpc)
+        cfg = settings.engine
+        self.model = load_model(settings.model, cfg.n_gpu_layers, cfg.exact, cfg.rpc)
         self.model_path = self.model.path
-        self.engines: dict = {}
-        self.peers: dict = {}
         try:
+            if check_model is not None:
+                check_model(self.model)
             for m in self.modes:
                 if m.is_peer:
                     self.peers[m.name] = None     # loaded in run(): keeps a failure readable
                 else:
-                    cfg = EngineConfig(proposer=m.proposer, draft=settings.draft,
-                                       n_ctx=settings.n_ctx, n_threads=settings.n_threads,
-                                       n_gpu_layers=settings.n_gpu_layers, exact=settings.exact,
-                                       cache_mb=0,    # every request starts cold
-                                       store=m.store, store_disk=False, learn=False,
-                                       policy=m.policy)
-                    self.engines[m.name] = Engine(self.model, cfg, progress=say)
-        except Exception:
+                    self.engines[m.name] = Engine(self.model, settings.mode_config(m),
+                                                  progress=say)
+        except BaseException:
             self.close()
             raise
 
     @property
     def n_threads(self) -> int:
         return next(iter(self.engines.values())).ctx.n_threads if self.engines else \
-            (self.settings.n_threads or 0)
+            (self.settings.engine.n_threads or 0)
 
     def _load_peers(self) -> None:
         for m in self.modes:
             if m.is_peer and self.peers[m.name] is None:
                 self.say(f"loading the peer ({m.name}: llama-cpp-python Llama + "
                          f"LlamaPromptLookupDecoding, k={m.fixed_k or PEER_K})...")
-                self.peers[m.name] = Peer(self.model_path, self.settings.n_ctx,
-                                          self.settings.n_threads or default_threads(),
-                                          self.settings.n_gpu_layers, m.fixed_k or PEER_K)
+                cfg = self.settings.engine
+                self.peers[m.name] = Peer(self.model_path, cfg.n_ctx,
+                                          cfg.n_threads or default_threads(),
+                                          cfg.n_gpu_layers, m.fixed_k or PEER_K)
 
     def _run_mode(self, mode: Mode, case: Case, max_tokens: int, tag: str,
                   cold: bool = True) -> Outcome:
@@ -273,7 +278,7 @@ class Bench:
         for m in self.modes:
             if m.proposer != "none" and not m.is_peer:
                 e = self.engines[m.name]
-                return list(load_or_measure(e.ctx, self.settings.n_gpu_layers,
+                return list(load_or_measure(e.ctx, self.settings.engine.n_gpu_layers,
                                             e.config.policy.k_max).ratios)
         return None
 
@@ -310,13 +315,13 @@ def setup_record(b: Bench, settings: BenchSettings, started) -> dict:
         "command": " ".join(["localspec", "bench", *sys.argv[1 + (sys.argv[1:2] == ["bench"]):]]),
         "started_utc": started.isoformat(timespec="seconds"),
         "localspec": __version__,
-        "model": str(b.model_path), "model_desc": b.model.describe(), "draft": settings.draft,
-        "exact": settings.exact,
+        "model": str(b.model_path), "model_desc": b.model.describe(),
+        "draft": settings.engine.draft, "exact": settings.engine.exact,
         "cpu": cpu_model(read_cpuinfo()), "cores": os.cpu_count(), "threads": b.n_threads,
         "platform": platform.platform(), "python": platform.python_version(),
         "llama_cpp_system_info": system_info(), "llama_cpp_libraries": library_account(),
         "sampling": asdict(settings.sampling), "max_tokens_cap": settings.max_tokens,
-        "n_ctx": settings.n_ctx, "n_gpu_layers": settings.n_gpu_layers,
+        "n_ctx": settings.engine.n_ctx, "n_gpu_layers": settings.engine.n_gpu_layers,
         "rounds": settings.rounds, "lockstep": settings.lockstep,
         "verify_cost_curve": curve,
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -12,8 +13,11 @@ import click
 from ..bench import KINDS, Bench, BenchSettings, load_workloads, parse_modes, summarize
 from ..bench.report import format_rows, format_summary, plot_ratios, require_matplotlib
 from ..bench.runner import setup_record, write_json
-from ..speculative.sampling import SamplingParams
-from .options import COMMAND, SAMPLING, Number, parse_rpc_option, run_command
+from .limits import check_context
+from .options import (COMMAND, build_sampling, draft_option, engine_config, model_option,
+                      placement_options, run_command, sampler_options)
+
+DEFAULT_DRAFT = "default-draft"
 
 
 def _csv(_ctx, _param, value):
@@ -23,10 +27,7 @@ def _csv(_ctx, _param, value):
 @click.command(context_settings=COMMAND)
 @click.option("--workloads", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Workloads JSONL file (default: the 20 cases shipped with localspec).")
-@click.option("-m", "--target", default="default", show_default=True, envvar="LOCALSPEC_MODEL",
-              help="Catalog name or .gguf path of the model to benchmark. Env: LOCALSPEC_MODEL.")
-@click.option("--draft", default="default-draft", show_default=True,
-              help="Draft model for the draft and hybrid modes (catalog name or .gguf path).")
+@model_option
 @click.option("--modes", default="plain,ngram,peer", show_default=True,
               help="Comma-separated: plain, ngram (adaptive k), store (ngram with the draft "
                    "store of past outputs, in memory, empty at the start of each workload "
@@ -34,38 +35,18 @@ def _csv(_ctx, _param, value):
                    "draft model), peer (llama-cpp-python's LlamaPromptLookupDecoding, k=10); "
                    "add -kN to any but plain to draft exactly N tokens (ngram-k3, peer-k4; "
                    "N at most 16 but for peer).")
+@draft_option(f"Used by the draft and hybrid modes [default: {DEFAULT_DRAFT}].")
 @click.option("--kinds", callback=_csv, default=None,
               help=f"Only these kinds ({','.join(KINDS)}).")
 @click.option("--cases", callback=_csv, default=None,
               help="Only these case ids, run in the order given.")
 @click.option("-n", "--max-tokens", type=click.IntRange(1), default=None,
               help="Cap every case's generation budget (default: each case's own max_tokens).")
-@click.option("-t", "--temperature", type=Number(0.0), default=0.0, show_default=True,
-              help="0 = greedy, where every mode must match plain token for token; > 0 samples, "
-                   "and n-gram modes must then match plain under the same --seed.")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed for sampled runs (fixed, unlike generate's: a benchmark repeats).")
-@click.option("--top-k", type=click.IntRange(0), default=SAMPLING.top_k, show_default=True)
-@click.option("--top-p", type=Number(0.0, 1.0), default=SAMPLING.top_p,
-              show_default=True)
-@click.option("--min-p", type=Number(0.0, 1.0), default=SAMPLING.min_p,
-              show_default=True)
-@click.option("--ctx", "n_ctx", type=click.IntRange(64), default=4096, show_default=True,
-              help="Context size of every mode (prompt + output).")
-@click.option("--threads", type=click.IntRange(1), default=None,
-              help="CPU threads for every mode (default: all cores this process may use).")
-@click.option("--gpu-layers", type=int, default=0, show_default=True,
-              help="Layers to offload to the GPU (CUDA/Metal builds) or the --rpc servers; "
-                   "-1 = all.")
-@click.option("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT]",
-              callback=parse_rpc_option,
-              help="Layers on these `localspec rpc-server`s, for every mode and the peer (all "
-                   "layers unless --gpu-layers says how many).")
-@click.option("--exact", is_flag=True, envvar="LOCALSPEC_EXACT",
-              help="Insist on the batch-invariant CPU kernels (localspec's patched ggml-cpu, "
-                   "loaded by default where install.sh built it; docs/exactness.md): one error "
-                   "line without them. LOCALSPEC_EXACT=0 benches llama.cpp's own kernels. The "
-                   "peer runs on the same libraries. Env: LOCALSPEC_EXACT=1.")
+@sampler_options(seed=0, seed_note="Fixed here, unlike generate's: a benchmark repeats. At "
+                                   "-t 0 (greedy) every mode must match plain token for "
+                                   "token; above it, the n-gram modes must match plain under "
+                                   "the same seed.")
+@placement_options
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
               help="Run every case this many times in every mode, the mode order reversed each "
                    "round; tok/s and ratios are medians of the rounds (each round's ratio from "
@@ -84,9 +65,8 @@ def _csv(_ctx, _param, value):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also draw a bar chart of ratios to plain (needs matplotlib: "
                                  "pip install 'localspec[plot]').")
-def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature, seed, top_k,
-          top_p, min_p, n_ctx, threads, gpu_layers, rpc, exact, rounds, lockstep, no_warmup,
-          json_path, plot_path):
+def bench(workloads, modes, kinds, cases, rounds, lockstep, no_warmup, json_path, plot_path,
+          **kw):
     """Benchmark decoding modes side by side on the same cases and the same model.
 
     Every case runs in every mode in one process, modes interleaved case by case after a warm-up,
@@ -109,18 +89,14 @@ def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature
                                      param_hint="--kinds")
     mode_list = parse_modes(modes)
     selected = load_workloads(workloads, kinds, cases)
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              seed=seed)
-    uses_draft = any(m.proposer in ("draft", "hybrid") for m in mode_list)
-    settings = BenchSettings(target, draft if uses_draft else None, sampling, max_tokens, n_ctx,
-                             threads, -1 if rpc and gpu_layers == 0 else gpu_layers, exact,
-                             warmup=not no_warmup, rpc=rpc, rounds=rounds,
-                             lockstep=lockstep)
+    settings = bench_settings(kw, mode_list, warmup=not no_warmup, rounds=rounds,
+                              lockstep=lockstep)
     say = lambda msg: click.echo(_clear_live() + msg, err=True)
     live = _live_writer() if sys.stderr.isatty() else None
     started = datetime.datetime.now(datetime.timezone.utc)
     interrupted = False
-    with Bench(mode_list, settings, say=say, live=live) as b:
+    check = None if kw["force_ctx"] else lambda model: check_context(model, settings.engine)
+    with Bench(mode_list, settings, say=say, live=live, check_model=check) as b:
         say(f"benchmarking {b.model_path.name}: {len(selected)} cases x "
             f"{', '.join(m.name for m in mode_list)}, {b.n_threads} threads")
         meta = {}
@@ -149,6 +125,17 @@ def bench(workloads, target, draft, modes, kinds, cases, max_tokens, temperature
         say(f"wrote {plot_path}")
     if interrupted:
         sys.exit(130)
+
+
+def bench_settings(kw: dict, modes: list, **run) -> BenchSettings:
+    """The shared options, through the same EngineConfig every command builds (each mode then
+    sets its own proposer, store and policy on it), with the draft model only where a mode
+    drafts with one."""
+    engine = engine_config(kw, learn=False)     # a benchmark keeps nothing it generates
+    uses_draft = any(m.proposer in ("draft", "hybrid") for m in modes)
+    engine = replace(engine, draft=(kw["draft"] or DEFAULT_DRAFT) if uses_draft else None)
+    return BenchSettings(kw["model"], engine, build_sampling(kw),
+                         kw["max_tokens"], **run)
 
 
 # -- live progress -------------------------------------------------------------------------------

@@ -6,11 +6,12 @@ import click
 
 from ..policy.calibrate import load_or_measure
 from ..policy.costmodel import stability_line
-from .options import COMMAND, model_options, open_engine
+from .options import COMMAND, model_option, open_engine, placement_options
 
 
 @click.command(context_settings=COMMAND)
-@model_options()
+@model_option
+@placement_options
 def calibrate(**kw):
     """Re-measure the verify cost curve r(k) of MODEL on this device and cache it.
 
@@ -20,8 +21,13 @@ def calibrate(**kw):
     The last line says how well the measurement rounds agreed: a NOISY curve (rounds more than
     8% apart) is measured up to three times here, and re-measured on later runs; while
     speculating, the engine also refines r(k) from the timing of every step.
+
+    \b
+    Examples:
+      localspec calibrate                                # the default model, all cores
+      localspec calibrate -m smollm2-135m --threads 2
     """
-    with open_engine({**kw, "proposer": "none"}) as engine:
+    with open_engine(kw, learn=False) as engine:      # plain decoding: nothing to learn
         curve = load_or_measure(engine.ctx, engine.config.n_gpu_layers, force=True, attempts=3,
                                 progress=lambda m: click.echo(m, err=True))
     click.echo(f"one-token decode: {curve.ms_per_step:.1f} ms")

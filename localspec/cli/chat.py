@@ -8,12 +8,13 @@ from typing import Callable, Optional
 import click
 
 from ..apps.chat import ChatConfig, ChatLoop, ChatSession
+from ..cache.prompt_cache import check_session_name
 from ..errors import LocalspecError
 from ..text import check_utf8, decode_utf8
 from .options import (COMMAND, build_sampling, learn_option, model_options, open_engine,
-                      sampling_options)
+                      sampling_options, stdin)
 
-MAX_TOKENS = 512
+MAX_TOKENS = 512     # a chat reply may run longer than a one-shot generate's 256
 
 
 def _terminal_reader(prompt: str) -> Callable[[], Optional[str]]:
@@ -52,22 +53,30 @@ def _pipe_reader() -> Callable[[], Optional[str]]:
     return read
 
 
+def _session_name(_ctx, _param, value: Optional[str]) -> Optional[str]:
+    """--save/--resume NAME checked before the chat starts, not after it ends."""
+    try:
+        return None if value is None else check_session_name(value)
+    except LocalspecError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @click.command(context_settings=COMMAND)
 @click.option("--system", default=None, help="System prompt (change it in the chat with /system).")
 @click.option("--stats", "show_stats", is_flag=True,
               help="Print acceptance and speed after every reply, and session totals at the end "
                    "(stderr). /stats shows them at any time.")
-@click.option("--save", "save_as", metavar="NAME", default=None,
+@click.option("--save", "save_as", metavar="NAME", default=None, callback=_session_name,
               help="At the end, save the chat and its KV state as NAME (letters, digits, "
                    "'.', '_', '-'); /save does it at any time.")
-@click.option("--resume", metavar="NAME", default=None,
+@click.option("--resume", metavar="NAME", default=None, callback=_session_name,
               help="Continue the chat saved as NAME: its turns come back, and with the same "
                    "model and settings its KV state too, so nothing is re-read. Saves back to "
                    "NAME at the end unless --save names another.")
 @model_options()
 @learn_option(True, "On by default: one user's replies shape the drafts of their next "
                     "turns and chats (--resume included).")
-@sampling_options
+@sampling_options(max_tokens=MAX_TOKENS)
 def chat(system, show_stats, save_as, resume, **kw):
     """Chat with MODEL in the terminal, replies streamed as they are generated.
 
@@ -92,11 +101,11 @@ def chat(system, show_stats, save_as, resume, **kw):
       printf 'Name three primes.\\nNow three more.\\n' | localspec chat > replies.txt
       localspec chat --save work        # later: localspec chat --resume work
     """
-    interactive = sys.stdin.isatty()
+    interactive = stdin("use generate for one message").isatty()
     system = None if system is None else check_utf8(system, "--system")
     save_as = save_as or resume
     kw["cache_disk"] = bool(save_as)
-    with open_engine(kw) as engine:
+    with open_engine(kw, learn=kw["learn"]) as engine:
         engine.prepare()    # measure the cost curve now, not inside (and interruptible in) a reply
         config = ChatConfig(max_tokens=kw["max_tokens"], stop=tuple(kw["stop"]))
         session = ChatSession(engine, build_sampling(kw), config, system=system,
@@ -120,12 +129,8 @@ def chat(system, show_stats, save_as, resume, **kw):
                 session.save(loop.save_as)
                 click.echo(f"saved the chat as {loop.save_as!r} (continue it with `localspec "
                            f"chat --resume {loop.save_as}`).", err=True)
-        if not interactive and loop.failed and loop.failed == loop.replies:
-            raise LocalspecError(f"no message got a reply ({loop.failed} failed; the reasons "
-                                 "are above).")
-
-
-# sampling_options defaults -n to 256 (one-shot generate); a chat reply may run longer.
-for _param in chat.params:
-    if _param.name == "max_tokens":
-        _param.default = MAX_TOKENS
+        if not interactive and loop.failed:     # a script must see that replies are missing
+            which = "no message" if loop.failed == loop.replies else \
+                f"{loop.replies - loop.failed} of {loop.replies} messages"
+            raise LocalspecError(f"{which} got a reply ({loop.failed} failed; the reasons are "
+                                 "above).")

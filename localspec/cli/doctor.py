@@ -7,15 +7,14 @@ import sys
 import click
 
 from ..apps.doctor import device_lines, report
-from .options import COMMAND
+from .options import COMMAND, gpu_layers_option
 
 
 @click.command(context_settings=COMMAND)
 @click.argument("target", default="default")
 @click.argument("draft", required=False)
-@click.option("--gpu-layers", type=int, default=0, show_default=True,
-              help="Load the model(s) with this many layers on the GPU (-1 = all) and say where "
-                   "they and the KV cache went.")
+@gpu_layers_option("Load the model(s) with this many layers on the GPU (-1 = all) and say "
+                   "where they and the KV cache went.")
 @click.option("--build-only", is_flag=True,
               help="Report the build, backend and devices only; load no model.")
 def doctor(target, draft, gpu_layers, build_only):

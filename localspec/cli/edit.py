@@ -10,7 +10,8 @@ import click
 
 from ..apps.edit import Rewrite, check_edit, parse_region, split_region
 from ..text import decode_utf8, read_text_file
-from .options import COMMAND, build_sampling, model_options, open_engine, sampling_options, text_arg
+from .options import (COMMAND, build_sampling, learn_option, model_options, open_engine,
+                      sampling_options, stdin, text_arg)
 
 
 def _region(_ctx, _param, value):
@@ -28,7 +29,9 @@ def _region(_ctx, _param, value):
                    "read as context and is what stdout gets, with that range replaced.")
 @click.option("--stats", is_flag=True, help="Print acceptance and speed statistics to stderr.")
 @model_options(default_proposer="ngram")
-@sampling_options
+@learn_option(True, "On by default, as for every command that generates: a file edited "
+                    "again and again drafts what its earlier rewrites wrote.")
+@sampling_options()
 def edit(instruction, file, region, stats, **kw):
     """Rewrite FILE (or stdin) as INSTRUCTION says and write only the result to stdout.
 
@@ -46,7 +49,8 @@ def edit(instruction, file, region, stats, **kw):
     """
     instruction = text_arg(instruction, "the instruction")
     if file is None or file == "-":
-        text, name = decode_utf8(sys.stdin.buffer.read(), "stdin"), "stdin"
+        text = decode_utf8(stdin("name a FILE").buffer.read(), "stdin")
+        name = "stdin"
     else:
         text, name = read_text_file(file, "the file"), Path(file).name
     before, part, after = split_region(text, region)
@@ -54,7 +58,7 @@ def edit(instruction, file, region, stats, **kw):
     ctx = click.get_current_context()
     max_tokens = None if ctx.get_parameter_source("max_tokens") == \
         click.core.ParameterSource.DEFAULT else kw["max_tokens"]
-    with open_engine(kw) as engine:
+    with open_engine(kw, learn=kw["learn"]) as engine:
         rewrite = Rewrite(engine, instruction, text, region, name, build_sampling(kw),
                           max_tokens, stop=kw["stop"])
         out = before + rewrite.result() + after

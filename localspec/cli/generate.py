@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import click
@@ -24,7 +25,7 @@ from .options import (COMMAND, build_sampling, learn_option, model_options, open
 @learn_option(True, "It drafts and learns with --proposer ngram or hybrid; plain decoding "
                     "touches no store. On by default: scripts that call generate again and "
                     "again (agent loops) gain most, and only the file outlives the process.")
-@sampling_options
+@sampling_options()
 def generate(prompt, chat, system, document, stats, **kw):
     """Complete PROMPT (or stdin with `-`) and stream the text to stdout. Input must be UTF-8.
 
@@ -44,12 +45,13 @@ def generate(prompt, chat, system, document, stats, **kw):
         messages = ([{"role": "system", "content": system}] if system else []) + \
                    [{"role": "user", "content": prompt}]
         prompt = messages
-    with open_engine(kw) as engine:
+    with open_engine(kw, learn=kw["learn"]) as engine:
         gen = engine.generate(prompt, build_sampling(kw), max_tokens=kw["max_tokens"],
                               stop=kw["stop"], document=doc)
-        for piece in gen:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        with contextlib.closing(gen):   # its cleanup runs now, on an open context, even when
+            for piece in gen:           # stdout is gone (`| head`) or Ctrl-C stops it
+                sys.stdout.write(piece)
+                sys.stdout.flush()
         sys.stdout.write("\n")
         if stats:
             click.echo(gen.stats.summary(), err=True)

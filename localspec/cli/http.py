@@ -73,9 +73,10 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_http(kw: dict) -> None:
+def run_http(kw: dict, *, learn: bool) -> None:
     """Check the options, listen (so a port in use is one line before the model loads), load
-    the engine, and hand both to the server until Ctrl-C."""
+    the engine (adding its outputs to the draft store when `learn`), and hand both to the
+    server until Ctrl-C."""
     try:
         import uvicorn  # noqa: F401  (the server's; asked for here for a clear message)
 
@@ -103,5 +104,5 @@ def run_http(kw: dict) -> None:
             code = HttpSupervisor(sys.argv[1:], sock, say=lambda line: click.echo(line, err=True)
                                   ).run()
         raise SystemExit(code)
-    with sock, open_engine(kw) as engine:
+    with sock, open_engine(kw, learn=learn) as engine:
         serve_http(engine, sock, settings, say=lambda line: click.echo(line, err=True))

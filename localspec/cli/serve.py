@@ -12,7 +12,7 @@ from ..apps.protocol import Server
 from ..apps.stdio import Writer, read_lines, take_stdout
 from ..apps.supervise import serve_stdio_supervised, supervised
 from .http import http_options, run_http
-from .options import COMMAND, learn_option, model_options, open_engine
+from .options import COMMAND, learn_option, model_options, open_engine, stdin
 
 
 @click.command(context_settings=COMMAND)
@@ -54,15 +54,17 @@ def serve(stdio, no_disk_cache, **kw):
     if stdio == bool(kw["http_bind"]):
         raise click.UsageError("pass exactly one of --stdio and --http [HOST:]PORT.")
     kw["cache_disk"] = not no_disk_cache
-    if kw["learn"] is None:
-        kw["learn"] = not kw["http_bind"]
+    # Learning by transport: one editor's user on stdio; over HTTP every client would share
+    # (and could probe) one store, so only when asked.
+    learn = kw["learn"] if kw["learn"] is not None else not kw["http_bind"]
     set_log_level()
     if kw["http_bind"]:
-        return run_http(kw)
+        return run_http(kw, learn=learn)
+    requests = stdin("use --http").fileno()
     protocol_fd = take_stdout()
     if kw.get("rpc") and not supervised():      # a lost RPC server must not end the server
-        raise SystemExit(serve_stdio_supervised(sys.argv[1:], protocol_fd, sys.stdin.fileno()))
-    with open_engine(kw) as engine:
+        raise SystemExit(serve_stdio_supervised(sys.argv[1:], protocol_fd, requests))
+    with open_engine(kw, learn=learn) as engine:
         engine.prepare()   # calibrate now, not inside the first (uncancellable) request
-        Server(engine, Writer(protocol_fd)).serve(read_lines(sys.stdin.fileno()))
+        Server(engine, Writer(protocol_fd)).serve(read_lines(requests))
         engine.keep_live_state()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import re
+from pathlib import Path
 
 import click
 
-from ..catalog.models import resolve_model
+from ..catalog.models import find_entry, model_path, resolve_model
 from ..speculative.store import bytes_per_token, capacity_for
-from ..speculative.store_file import (BREAK, ENV_MB, budget_mb, clear_stores, list_stores, saved_hits,
-                               store_path)
+from ..speculative.store_file import (BREAK, ENV_MB, SUFFIX, budget_mb, clear_stores, list_stores,
+                                      saved_hits, store_dir, store_path)
 from .options import COMMAND
 
 
@@ -56,9 +58,36 @@ def stats() -> None:
 
 @store.command("clear")
 @click.option("-m", "--model", default=None,
-              help="Only this model's store (catalog name or .gguf path); default: all.")
+              help="Only this model's store (catalog name or .gguf path; a catalog model need "
+                   "not be downloaded); default: every model's.")
 def clear(model) -> None:
-    """Delete the stored outputs (every model's, or one)."""
-    only = store_path(resolve_model(model))[0] if model else None
-    n = clear_stores(only)
+    """Delete the stored outputs (every model's, or one).
+
+    \b
+    Examples:
+      localspec store clear                  # every model's store
+      localspec store clear -m smollm2-135m  # one model's
+    """
+    if model is None:
+        n = clear_stores()
+    else:
+        n = sum(clear_stores(path) for path in _stores_of(model))
     click.echo(f"removed {n} store file{'s' if n != 1 else ''}", err=True)
+
+
+def _stores_of(model: str) -> list:
+    """The store files of one model, found without pulling it. An empty name is refused: it is
+    what an unset `$MODEL` gives, and must not mean every model."""
+    if not model.strip():
+        raise click.BadParameter("an empty name names no model; leave -m out to clear every "
+                                 "model's store.", param_hint="'-m' / '--model'")
+    entry = None if Path(model).expanduser().is_file() else find_entry(model)
+    if entry is None:
+        return [store_path(resolve_model(model, pull=False))[0]]
+    cached = model_path(entry)
+    if cached.is_file():
+        return [store_path(cached)[0]]
+    # Not downloaded (or removed since): a store file is named <model file's stem>-<16 hex
+    # digits of its identity><suffix>, so the catalog's file name finds it.
+    name = re.compile(re.escape(Path(entry.filename).stem) + r"-[0-9a-f]{16}" + re.escape(SUFFIX))
+    return [p for p in store_dir().glob("*" + SUFFIX) if name.fullmatch(p.name)]

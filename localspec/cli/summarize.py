@@ -34,7 +34,7 @@ from ..apps.summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summ
               help="Summarise again inputs whose output file already exists.")
 @model_options(default_proposer="ngram")
 @learn_option(True, "On by default: summaries of similar files share their shape.")
-@sampling_options
+@sampling_options()
 def summarize(inputs, output_dir, fmt, globs, instruction, force, **kw):
     """Summarise files, directories (recursively) or stdin (`-`).
 
@@ -68,7 +68,7 @@ def summarize(inputs, output_dir, fmt, globs, instruction, force, **kw):
 
     with contextlib.ExitStack() as stack:
         def open_summarizer() -> Summarizer:
-            engine = stack.enter_context(open_engine(kw))
+            engine = stack.enter_context(open_engine(kw, learn=kw["learn"]))
             return Summarizer(engine, build_sampling(kw), kw["max_tokens"], instruction, kw["stop"])
 
         progress = _Bar(len(sources)) if sys.stderr.isatty() else _Lines(len(sources))
