@@ -1,5 +1,5 @@
-/* Hashing shared by the n-gram matcher (ngram.c) and the draft store (store.c): open-addressing
- * table sizes and the n-gram hash, built from an n-gram's last token backwards,
+/* Hashing shared by the n-gram matcher (ngram.c) and the draft store (store.c): the n-gram
+ * hash (table sizes and probing are table.h's), built from an n-gram's last token backwards,
  * step(...step(SEED, g[L-1])..., g[0]), so that extending by one more token to the left gives
  * the hash of the (L+1)-gram ending at the same place: all lengths at one end position cost
  * O(ngram_max) together. */
@@ -7,14 +7,6 @@
 #define LOCALSPEC_HASHING_H
 
 #include <stdint.h>
-
-/* Slots per table: a power of two >= 2 * capacity, so the load stays <= 1/2 and probes end. */
-static inline uint64_t n_slots(int32_t capacity)
-{
-    uint64_t s = 2;
-    while (s < 2u * (uint64_t)capacity) s <<= 1;
-    return s;
-}
 
 static inline uint64_t hash_step(uint64_t h, int32_t token)
 {

@@ -1,6 +1,6 @@
 /* ngram.c: the incremental n-gram matcher declared in ngram.h (definitions and complexity there).
  *
- * Layout of one index inside the caller's block:
+ * Layout of one index inside the caller's block (table.h, shared with the draft store):
  *   struct lsng_index | tokens [capacity] | prev [G, capacity] | slots [G, n_slots]
  * where G = ngram_max - ngram_min + 1 and table g holds the (ngram_min + g)-grams.
  * An L-gram enters its table when the token after it is appended (so the current suffix is never
@@ -8,16 +8,18 @@
  */
 #include "ngram.h"
 #include "hashing.h"
+#include "table.h"
 
 #include <string.h>
 
 #define LSNG_MAGIC 0x6c736e67u     /* "lsng" */
-#define LSNG_NONE (-1)             /* no position: free slot / end of a prev chain */
+#define LSNG_NONE LS_NONE          /* no position: free slot / end of a prev chain */
 #define LSNG_SEED 0x243f6a8885a308d3ull
 
 typedef struct lsng_slot {
     uint32_t hash;    /* the n-gram's 32-bit hash; hash & mask is its home slot */
-    int32_t last;     /* newest occurrence (end position); LSNG_NONE marks a free slot */
+    int32_t last;     /* newest occurrence (end position); LSNG_NONE marks a free slot: the
+                       * position ls_find reads (table.h) */
     int32_t first;    /* oldest occurrence */
 } lsng_slot;
 
@@ -32,13 +34,10 @@ struct lsng_index {
     lsng_slot *slots;      /* [G, mask + 1] */
 };
 
-static size_t align8(size_t x) { return (x + 7u) & ~(size_t)7u; }
-
 static int params_ok(const lsng_params *p)
 {
-    return p && p->ngram_min >= 1 && p->ngram_min <= p->ngram_max &&
-           p->ngram_max <= LSNG_NGRAM_LIMIT && p->tie >= LSNG_TIE_RECENT &&
-           p->tie <= LSNG_TIE_LONGEST;
+    return p && ls_ngram_range_ok(p->ngram_min, p->ngram_max, LSNG_NGRAM_LIMIT) &&
+           p->tie >= LSNG_TIE_RECENT && p->tie <= LSNG_TIE_LONGEST;
 }
 
 static int index_ok(const lsng_index *x) { return x && x->magic == LSNG_MAGIC; }
@@ -54,29 +53,18 @@ static void hashes_at(const lsng_index *x, const int32_t *s, int32_t e, int32_t 
     }
 }
 
-static lsng_slot *table(const lsng_index *x, int32_t L)
-{
-    return x->slots + (size_t)(L - x->params.ngram_min) * ((size_t)x->mask + 1);
-}
-
 static int32_t *prev_of(const lsng_index *x, int32_t L)
 {
-    return x->prev + (size_t)(L - x->params.ngram_min) * (size_t)x->capacity;
+    return ls_prev_of(x->prev, x->params.ngram_min, x->capacity, L);
 }
 
 /* The slot holding key[0..L) in x's L-table, or the free slot where it would go. */
 static lsng_slot *find(const lsng_index *x, int32_t L, uint32_t hash, const int32_t *key)
 {
-    lsng_slot *tab = table(x, L);
-    uint32_t i = hash & x->mask;
-    for (;;) {
-        lsng_slot *s = &tab[i];
-        if (s->last == LSNG_NONE) return s;
-        if (s->hash == hash &&
-            memcmp(x->tokens + s->last - L, key, (size_t)L * sizeof(int32_t)) == 0)
-            return s;
-        i = (i + 1) & x->mask;
-    }
+    lsng_slot *tab = (lsng_slot *)ls_table(x->slots, sizeof(lsng_slot), x->params.ngram_min,
+                                           x->mask, L);
+    return &tab[ls_find((const char *)tab, sizeof(lsng_slot), offsetof(lsng_slot, last),
+                        offsetof(lsng_slot, hash), x->mask, x->tokens, L, hash, key)];
 }
 
 /* Appends one token: the n-grams ending at e = n now have a follower, so they become occurrences. */
@@ -116,20 +104,16 @@ static void pop(lsng_index *x)
     x->n = e;
 }
 
-lsng_params lsng_default_params(void)
+static ls_layout layout(const lsng_params *params, int32_t capacity)
 {
-    lsng_params p = {1, 4, LSNG_TIE_RECENT};
-    return p;
+    return ls_layout_of(sizeof(struct lsng_index), params->ngram_max - params->ngram_min + 1,
+                        capacity, sizeof(lsng_slot));
 }
 
 size_t lsng_index_bytes(const lsng_params *params, int32_t capacity)
 {
     if (!params_ok(params) || capacity < 1 || capacity > LSNG_MAX_CAPACITY) return 0;
-    uint64_t g = (uint64_t)(params->ngram_max - params->ngram_min + 1);
-    uint64_t cap = (uint64_t)capacity;
-    uint64_t total = align8(sizeof(struct lsng_index)) + align8(cap * 4u) + align8(g * cap * 4u) +
-                     g * n_slots(capacity) * sizeof(lsng_slot);
-    return total > (uint64_t)SIZE_MAX ? 0 : (size_t)total;
+    return (size_t)layout(params, capacity).total;
 }
 
 int lsng_index_init(void *mem, size_t n_bytes, const lsng_params *params, int32_t capacity,
@@ -137,17 +121,14 @@ int lsng_index_init(void *mem, size_t n_bytes, const lsng_params *params, int32_
 {
     size_t need = lsng_index_bytes(params, capacity);
     if (!out || need == 0) return LSNG_ERR_PARAMS;
-    if (!mem || n_bytes < need || ((uintptr_t)mem & 7u) != 0) return LSNG_ERR_MEMORY;
-    uint64_t slots = n_slots(capacity);
+    if (!ls_block_ok(mem, n_bytes, need)) return LSNG_ERR_MEMORY;
+    uint64_t slots = ls_n_slots(capacity);
     int32_t g = params->ngram_max - params->ngram_min + 1;
-    char *p = (char *)mem;
-    lsng_index *x = (lsng_index *)p;
-    p += align8(sizeof(struct lsng_index));
-    x->tokens = (int32_t *)p;
-    p += align8((size_t)capacity * 4u);
-    x->prev = (int32_t *)p;
-    p += align8((size_t)g * (size_t)capacity * 4u);
-    x->slots = (lsng_slot *)p;
+    ls_layout at = layout(params, capacity);
+    lsng_index *x = (lsng_index *)mem;
+    x->tokens = (int32_t *)((char *)mem + at.tokens);
+    x->prev = (int32_t *)((char *)mem + at.prev);
+    x->slots = (lsng_slot *)((char *)mem + at.slots);
     for (size_t i = 0; i < (size_t)g * (size_t)slots; i++) {
         x->slots[i].hash = 0;
         x->slots[i].last = LSNG_NONE;

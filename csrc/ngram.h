@@ -27,7 +27,7 @@
  * answer from the history; else if it occurs in the document, answer from the document; else try
  * L - 1. So the longer match wins, and on equal length the history (the model's own recent text)
  * beats the document. Within the chosen source the tie policy picks one occurrence:
- *   LSNG_TIE_RECENT    the largest e (default);
+ *   LSNG_TIE_RECENT    the largest e;
  *   LSNG_TIE_EARLIEST  the smallest e (what llama-cpp-python's prompt lookup scans for);
  *   LSNG_TIE_LONGEST   among the LSNG_MAX_CHAIN most recent occurrences (newest first), the first
  *                      whose continuation is not cut short (m - e >= k); if none is, the oldest of
@@ -64,9 +64,16 @@
  * none of them depends on the history length. Memory: about (4 + 4G + 24G) bytes per token of
  * capacity (tokens, prev chains, hash slots).
  *
- * ERRORS. Functions return LSNG_OK (0) or a negative LSNG_ERR_* code (lsng_strerror names it) and
- * change nothing on error: an append with a negative token id appends none of the tokens.
- * Token ids are int32_t like llama_token; any id in [0, INT32_MAX] is valid.
+ * ERRORS (the draft store, store.h, follows the same convention). Functions that act return
+ * LSNG_OK (0) or a negative LSNG_ERR_* code (lsng_strerror names it) and change nothing on
+ * error: an append with a negative token id appends none of the tokens. Getters of a count
+ * (lsng_len, lsng_capacity) return it, or LSNG_ERR_HANDLE (negative) for a handle that is not an
+ * initialised index; getters of a pointer (lsng_tokens) return NULL for one; lsng_index_bytes
+ * returns 0 for invalid params. Token ids are int32_t like llama_token; any id in [0, INT32_MAX]
+ * is valid.
+ *
+ * DEFAULTS. The params struct has none in C: the caller sets every field. localspec's defaults
+ * (ngram_min 1, ngram_max 8, LSNG_TIE_EARLIEST) live once, in localspec/speculative/ngram.py.
  *
  * The block between the CDEF markers below is plain declarations (no preprocessor lines): the
  * cffi build script feeds it to cdef() as is.
@@ -102,9 +109,9 @@ enum {
 };
 
 typedef struct lsng_params {
-    int32_t ngram_min;          /* shortest suffix tried; default 1, >= 1 */
-    int32_t ngram_max;          /* longest suffix tried; default 4, <= LSNG_NGRAM_LIMIT */
-    int32_t tie;                /* LSNG_TIE_*; default LSNG_TIE_RECENT */
+    int32_t ngram_min;          /* shortest suffix tried, >= 1 */
+    int32_t ngram_max;          /* longest suffix tried, <= LSNG_NGRAM_LIMIT */
+    int32_t tie;                /* LSNG_TIE_* */
 } lsng_params;
 
 typedef struct lsng_match {
@@ -115,8 +122,6 @@ typedef struct lsng_match {
 } lsng_match;
 
 typedef struct lsng_index lsng_index;   /* opaque; lives inside the caller's block */
-
-lsng_params lsng_default_params(void);
 
 /* Bytes needed for an index of `capacity` tokens; 0 if the params or capacity are invalid. */
 size_t lsng_index_bytes(const lsng_params *params, int32_t capacity);
@@ -131,9 +136,11 @@ int lsng_append(lsng_index *index, const int32_t *tokens, int32_t n);
 /* Keeps the first n_keep tokens, exactly undoing the later appends. */
 int lsng_truncate(lsng_index *index, int32_t n_keep);
 
+/* Tokens held, and the most the block holds; LSNG_ERR_HANDLE for a bad handle. */
 int32_t lsng_len(const lsng_index *index);
 int32_t lsng_capacity(const lsng_index *index);
-const int32_t *lsng_tokens(const lsng_index *index);   /* [lsng_len] int32, read-only view */
+/* [lsng_len] int32, a read-only view; NULL for a bad handle. */
+const int32_t *lsng_tokens(const lsng_index *index);
 
 /* The proposal for the next k tokens; document may be NULL. out_tokens: [k] (NULL if k == 0). */
 int lsng_propose(const lsng_index *history, const lsng_index *document, int32_t k,

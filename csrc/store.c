@@ -1,6 +1,6 @@
 /* store.c: the draft store declared in store.h (definitions, complexity, a worked example there).
  *
- * Layout of one store inside the caller's block:
+ * Layout of one store inside the caller's block (table.h, shared with the n-gram matcher):
  *   struct lsst_store | tokens [capacity] | prev [G, capacity] | slots [G, n_slots]
  * A slot holds the newest end position of its n-gram (or LSST_NONE); the key is not stored: the
  * n-gram is read back from the corpus at that position and compared, which keeps a slot at 4
@@ -8,11 +8,12 @@
  */
 #include "store.h"
 #include "hashing.h"
+#include "table.h"
 
 #include <string.h>
 
 #define LSST_MAGIC 0x6c737374u     /* "lsst" */
-#define LSST_NONE (-1)
+#define LSST_NONE LS_NONE
 #define LSST_SEED 0x13198a2e03707344ull
 
 struct lsst_store {
@@ -26,39 +27,27 @@ struct lsst_store {
     int32_t *slots;        /* [G, mask + 1] */
 };
 
-static size_t align8(size_t x) { return (x + 7u) & ~(size_t)7u; }
-
 static int params_ok(const lsst_params *p)
 {
-    return p && p->ngram_min >= 1 && p->ngram_min <= p->ngram_max &&
-           p->ngram_max <= LSST_NGRAM_LIMIT && p->max_chain >= 1 &&
-           p->max_chain <= LSST_CHAIN_LIMIT && p->floor >= 0.0f && p->floor <= 1.0f;
+    return p && ls_ngram_range_ok(p->ngram_min, p->ngram_max, LSST_NGRAM_LIMIT) &&
+           p->max_chain >= 1 && p->max_chain <= LSST_CHAIN_LIMIT && p->floor >= 0.0f &&
+           p->floor <= 1.0f;
 }
 
 static int store_ok(const lsst_store *s) { return s && s->magic == LSST_MAGIC; }
 
-static int32_t *table(const lsst_store *x, int32_t L)
-{
-    return x->slots + (size_t)(L - x->params.ngram_min) * ((size_t)x->mask + 1);
-}
-
 static int32_t *prev_of(const lsst_store *x, int32_t L)
 {
-    return x->prev + (size_t)(L - x->params.ngram_min) * (size_t)x->capacity;
+    return ls_prev_of(x->prev, x->params.ngram_min, x->capacity, L);
 }
 
 /* The slot of key[0..L) in the L-table, or the free slot where it would go. */
 static int32_t *find(const lsst_store *x, int32_t L, uint32_t hash, const int32_t *key)
 {
-    int32_t *tab = table(x, L);
-    uint32_t i = hash & x->mask;
-    for (;;) {
-        int32_t e = tab[i];
-        if (e == LSST_NONE ||
-            memcmp(x->tokens + e - L, key, (size_t)L * sizeof(int32_t)) == 0)
-            return &tab[i];
-        i = (i + 1) & x->mask;
-    }
+    int32_t *tab = (int32_t *)ls_table(x->slots, sizeof(int32_t), x->params.ngram_min, x->mask,
+                                       L);
+    return &tab[ls_find((const char *)tab, sizeof(int32_t), 0, LS_NO_HASH, x->mask, x->tokens,
+                        L, hash, key)];
 }
 
 /* Appends one token; the n-grams ending at e (none across a BREAK) gain an occurrence when the
@@ -88,20 +77,16 @@ static void clear_tables(lsst_store *x)
     memset(x->slots, 0xff, total * sizeof(int32_t));     /* every slot LSST_NONE (-1) */
 }
 
-lsst_params lsst_default_params(void)
+static ls_layout layout(const lsst_params *params, int32_t capacity)
 {
-    lsst_params p = {2, 6, 64, 0.1f};
-    return p;
+    return ls_layout_of(sizeof(struct lsst_store), params->ngram_max - params->ngram_min + 1,
+                        capacity, sizeof(int32_t));
 }
 
 size_t lsst_bytes(const lsst_params *params, int32_t capacity)
 {
     if (!params_ok(params) || capacity < 1 || capacity > LSST_MAX_CAPACITY) return 0;
-    uint64_t g = (uint64_t)(params->ngram_max - params->ngram_min + 1);
-    uint64_t cap = (uint64_t)capacity;
-    uint64_t total = align8(sizeof(struct lsst_store)) + align8(cap * 4u) + align8(g * cap * 4u) +
-                     g * n_slots(capacity) * 4u;
-    return total > (uint64_t)SIZE_MAX ? 0 : (size_t)total;
+    return (size_t)layout(params, capacity).total;
 }
 
 int lsst_init(void *mem, size_t n_bytes, const lsst_params *params, int32_t capacity,
@@ -109,20 +94,16 @@ int lsst_init(void *mem, size_t n_bytes, const lsst_params *params, int32_t capa
 {
     size_t need = lsst_bytes(params, capacity);
     if (!out || need == 0) return LSST_ERR_PARAMS;
-    if (!mem || n_bytes < need || ((uintptr_t)mem & 7u) != 0) return LSST_ERR_MEMORY;
-    int32_t g = params->ngram_max - params->ngram_min + 1;
-    char *p = (char *)mem;
-    lsst_store *x = (lsst_store *)p;
-    p += align8(sizeof(struct lsst_store));
-    x->tokens = (int32_t *)p;
-    p += align8((size_t)capacity * 4u);
-    x->prev = (int32_t *)p;
-    p += align8((size_t)g * (size_t)capacity * 4u);
-    x->slots = (int32_t *)p;
+    if (!ls_block_ok(mem, n_bytes, need)) return LSST_ERR_MEMORY;
+    ls_layout at = layout(params, capacity);
+    lsst_store *x = (lsst_store *)mem;
+    x->tokens = (int32_t *)((char *)mem + at.tokens);
+    x->prev = (int32_t *)((char *)mem + at.prev);
+    x->slots = (int32_t *)((char *)mem + at.slots);
     x->params = *params;
     x->capacity = capacity;
     x->n = 0;
-    x->mask = (uint32_t)(n_slots(capacity) - 1);
+    x->mask = (uint32_t)(ls_n_slots(capacity) - 1);
     clear_tables(x);
     x->magic = LSST_MAGIC;
     *out = x;
@@ -152,8 +133,12 @@ int lsst_drop_oldest(lsst_store *store, int32_t n_drop)
     return LSST_OK;
 }
 
-int32_t lsst_len(const lsst_store *store) { return store_ok(store) ? store->n : 0; }
-int32_t lsst_capacity(const lsst_store *store) { return store_ok(store) ? store->capacity : 0; }
+int32_t lsst_len(const lsst_store *store) { return store_ok(store) ? store->n : LSST_ERR_HANDLE; }
+
+int32_t lsst_capacity(const lsst_store *store)
+{
+    return store_ok(store) ? store->capacity : LSST_ERR_HANDLE;
+}
 const int32_t *lsst_tokens(const lsst_store *store) { return store_ok(store) ? store->tokens : 0; }
 
 /* The token occurrence e continues with at depth i, or LSST_BREAK where its output ended. */

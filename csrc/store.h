@@ -8,7 +8,9 @@
  *
  * MEMORY. As the n-gram matcher (ngram.h): the caller hands lsst_init() a block of
  * lsst_bytes(params, capacity) bytes, 8-byte aligned, and frees it when done. The index points
- * into its own block: never move or copy it.
+ * into its own block: never move or copy it. `capacity` is always the tokens a block holds; how
+ * many tokens a store may keep in all (a RAM budget) is the caller's (store.py: max_tokens),
+ * reached by growing into larger blocks.
  *
  * DEFINITIONS.
  *   corpus      the tokens t[0..n) appended so far: token ids >= 0 and LSST_BREAK (-1), which
@@ -38,7 +40,13 @@
  *   drop_oldest O(n): the corpus moves down and the tables are rebuilt.
  * Memory: 4 + 4G bytes per token of capacity + G * 4 * (slots per table) (load <= 1/2).
  *
- * ERRORS. LSST_OK (0) or a negative LSST_ERR_*; nothing changes on error.
+ * ERRORS, as in ngram.h. Functions that act return LSST_OK (0) or a negative LSST_ERR_* code
+ * (lsst_strerror names it) and change nothing on error. Getters of a count (lsst_len,
+ * lsst_capacity) return it, or LSST_ERR_HANDLE (negative) for a handle that is not an
+ * initialised store; lsst_tokens returns NULL for one; lsst_bytes returns 0 for invalid params.
+ *
+ * DEFAULTS. None in C: the caller sets every field of lsst_params. localspec's (contexts 2..6,
+ * 64 occurrences counted, floor 0.1) live once, in localspec/speculative/store.py.
  *
  * The block between the CDEF markers is plain declarations for cffi's cdef().
  */
@@ -71,10 +79,10 @@ enum {
 };
 
 typedef struct lsst_params {
-    int32_t ngram_min;          /* shortest context tried; default 2 */
-    int32_t ngram_max;          /* longest context tried; default 6 */
-    int32_t max_chain;          /* newest occurrences counted; default 64 */
-    float floor;                /* least score (product of count ratios) a token may have */
+    int32_t ngram_min;          /* shortest context tried, >= 1 */
+    int32_t ngram_max;          /* longest context tried, <= LSST_NGRAM_LIMIT */
+    int32_t max_chain;          /* newest occurrences counted, 1..LSST_CHAIN_LIMIT */
+    float floor;                /* least score (product of count ratios) a token may have, 0..1 */
 } lsst_params;
 
 typedef struct lsst_match {
@@ -86,7 +94,7 @@ typedef struct lsst_match {
 
 typedef struct lsst_store lsst_store;   /* opaque; lives inside the caller's block */
 
-lsst_params lsst_default_params(void);
+/* Bytes needed for a store of `capacity` tokens; 0 if the params or capacity are invalid. */
 size_t lsst_bytes(const lsst_params *params, int32_t capacity);
 int lsst_init(void *mem, size_t n_bytes, const lsst_params *params, int32_t capacity,
               lsst_store **out);
@@ -97,9 +105,11 @@ int lsst_append(lsst_store *store, const int32_t *tokens, int32_t n);
 /* Forgets the oldest n_drop tokens (eviction): O(tokens held). */
 int lsst_drop_oldest(lsst_store *store, int32_t n_drop);
 
+/* Tokens held, and the most the block holds; LSST_ERR_HANDLE for a bad handle. */
 int32_t lsst_len(const lsst_store *store);
 int32_t lsst_capacity(const lsst_store *store);
-const int32_t *lsst_tokens(const lsst_store *store);   /* [lsst_len] int32, read-only view */
+/* [lsst_len] int32, a read-only view; NULL for a bad handle. */
+const int32_t *lsst_tokens(const lsst_store *store);
 
 /* The draft for context[0..m): out_tokens [k], out_agree [k] (both NULL if k == 0). */
 int lsst_propose(const lsst_store *store, const int32_t *context, int32_t m, int32_t k,

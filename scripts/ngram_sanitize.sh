@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Sanitizer run of the C n-gram matcher (AddressSanitizer + UndefinedBehaviorSanitizer), in two
-# stages: (1) csrc/ngram.c with its random-case driver csrc/tests/ngram_fuzz.c, checked against
-# the driver's brute-force reference; (2) the cffi module built with the sanitizers and
-# tests/test_ngram.py run on it (libasan preloaded, so numpy's buffers get red zones too).
+# Sanitizer run of the C n-gram matcher and draft store (AddressSanitizer +
+# UndefinedBehaviorSanitizer), in two stages: (1) csrc/ngram.c with its random-case driver
+# csrc/tests/ngram_fuzz.c, checked against the driver's brute-force reference; (2) the cffi module
+# built with the sanitizers and tests/test_ngram.py plus the C-index tests of tests/test_store.py
+# (the two share csrc/table.h) run on it (libasan preloaded, so numpy's buffers get red zones too).
 # Where valgrind is installed, the driver also runs under memcheck (uninitialised reads).
 # Exits non-zero on any sanitizer or memcheck report, or failed case.
 # usage: scripts/ngram_sanitize.sh [n_cases=200000] [seed=1]       (CC, PYTHON override)
@@ -36,7 +37,7 @@ if command -v valgrind >/dev/null; then   # uninitialised reads, which ASan does
     valgrind -q --error-exitcode=1 "$work/ngram_fuzz_vg" 20000 "${2:-1}"
 fi
 
-echo "== 2/2: tests/test_ngram.py on the sanitized cffi module" >&2
+echo "== 2/2: tests/test_ngram.py and the store's C-index tests on the sanitized cffi module" >&2
 mkdir "$work/pkg"
 cp -r localspec csrc "$work/pkg/"   # a copy: the build leaves objects next to the sources
 rm -f "$work"/pkg/localspec/_ngram_c*.so "$work"/pkg/csrc/*.o
@@ -50,5 +51,7 @@ cd "$work/pkg"   # first on sys.path: this localspec, with the sanitized module
 "$python" -c "import localspec._ngram_c as c; assert c.__file__.startswith('$work'), c.__file__"
 "$python" -m pytest -q -p no:cacheprovider --import-mode=append "$repo/tests/test_ngram.py" \
     || { reports; exit 1; }
+"$python" -m pytest -q -p no:cacheprovider --import-mode=append "$repo/tests/test_store.py" \
+    -k "c_index or evicts or budget_in_mb or starts_small or bad_handle" || { reports; exit 1; }
 reports
 echo "ngram_sanitize: no sanitizer reports" >&2

@@ -101,6 +101,18 @@ def test_a_full_store_evicts_its_oldest_half_and_keeps_the_newest():
         assert s.propose([1029, 1, 2], 4).tokens == [3]
 
 
+def test_a_bad_handle_is_one_convention_in_both_c_apis():
+    """ngram.h / store.h ERRORS: a count getter answers the HANDLE error code (not 0, which
+    reads as an empty index), a pointer getter NULL; the defaults live in Python only."""
+    lib, ffi = store_mod.lib, store_mod.ffi
+    assert lib.lsng_len(ffi.NULL) == lib.LSNG_ERR_HANDLE < 0
+    assert lib.lsst_len(ffi.NULL) == lib.LSST_ERR_HANDLE < 0
+    assert lib.lsng_capacity(ffi.NULL) == lib.LSNG_ERR_HANDLE
+    assert lib.lsst_capacity(ffi.NULL) == lib.LSST_ERR_HANDLE
+    assert lib.lsng_tokens(ffi.NULL) == ffi.NULL and lib.lsst_tokens(ffi.NULL) == ffi.NULL
+    assert not hasattr(lib, "lsng_default_params") and not hasattr(lib, "lsst_default_params")
+
+
 def test_budget_in_mb_bounds_the_memory():
     assert max_tokens_for(0) == 0
     cap = max_tokens_for(64)
