@@ -288,17 +288,20 @@ def run_command(command: click.Command, argv=None, prog_name=None) -> None:
 
 
 def _exit_code(command: click.Command, argv, prog_name) -> int:
-    # Returns from inside each `except`: leaving it drops the exception and the frames it holds
-    # (a generator among them) while this process can still run their cleanup.
+    # The command is invoked here, not through click's main(), which turns a closed stdout
+    # into exit 1. Returns from inside each `except`: leaving it drops the exception and the
+    # frames it holds (a generator among them) while this process can still run their cleanup.
     try:
-        code = command.main(argv, prog_name=prog_name, standalone_mode=False)
-        return code if isinstance(code, int) else 0    # a command's ctx.exit(n) returns n
-    except click.exceptions.Exit as e:
+        args = sys.argv[1:] if argv is None else list(argv)
+        with command.make_context(prog_name or "localspec", args) as ctx:
+            code = command.invoke(ctx)
+        return code if isinstance(code, int) else 0
+    except click.exceptions.Exit as e:          # ctx.exit(n), --help, --version
         return e.exit_code
     except click.ClickException as e:
         e.show()
         return e.exit_code
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, EOFError):
         click.echo("interrupted", err=True)
         return 130
     except LocalspecError as e:
