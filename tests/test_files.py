@@ -255,3 +255,22 @@ def test_the_container_refuses_a_header_longer_than_the_file(tmp_path):
         read_container(path)
     write_file(path, KEY, [1, 2], np.frombuffer(b"abc", np.uint8), "m.gguf", {"a": 1})
     assert read_container(path)[2].tobytes() == b"abc"
+
+
+def test_files_set_aside_count_against_the_disk_budget_and_go_first(home):
+    root = home / "prompt-cache"
+    aside = root / KEY / "old.lskv.rejected"
+    aside.parent.mkdir(parents=True)
+    aside.write_bytes(bytes(4000))
+    disk = DiskFolder(root, 3000)
+    disk.write(Entry(KEY, np.arange(40, dtype=np.int32), np.zeros(8, np.uint8)), "m.gguf")
+    assert not aside.exists() and len(list(root.glob("*/*.lskv"))) == 1
+
+
+def test_a_crash_report_is_owner_only(home):
+    from localspec.files import write_crash_report
+    try:
+        raise RuntimeError("a prompt quoted in a traceback")
+    except RuntimeError as e:
+        path = write_crash_report(e)
+    assert path.parent == home / "crashes" and mode(path) == 0o600 and mode(path.parent) == 0o700

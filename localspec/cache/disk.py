@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..files.atomic import exclusive_lock, refused_line, remove_stale_temps, set_aside, warn
+from ..files.atomic import (REJECTED_SUFFIX, exclusive_lock, refused_line, remove_stale_temps,
+                            set_aside, warn)
 from ..files.private import private_dir
 from .format import SUFFIX, Entry, Rejected, clean_of, read_header, write_file
 
@@ -96,10 +97,13 @@ class DiskFolder:
 
     def _trim(self) -> None:
         """Evict least recently used entries until the folder fits the budget. Temporary files
-        count too; those of a save that was killed (its process gone) are removed."""
+        count too; those of a save that was killed (its process gone) are removed. Refused
+        files set aside (NAME.rejected) count and go first: kept for a look, not for ever."""
         files = [(0, _size(path), None)              # another save in progress: count it
                  for folder in self.root.iterdir() if folder.is_dir()
                  for path in remove_stale_temps(folder)]
+        files += [(-1, _size(path), path) for path in self.root.glob("*/*" + REJECTED_SUFFIX)
+                  if path.parent.name != "sessions"]
         for path in self.root.glob("*/*" + SUFFIX):
             if path.parent.name == "sessions":        # named saves are the user's, never evicted
                 continue
