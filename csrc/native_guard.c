@@ -260,7 +260,7 @@ static void crash(int sig, const char *what, const char *detail) {
             pause();
     }
     const char *phase = g_phase[g_phase_cur];
-    size_t n = append(g_line, 0, sizeof g_line, "error: llama.cpp ");
+    size_t n = append(g_line, 0, sizeof g_line, "error: ");
     n = append(g_line, n, sizeof g_line, what);
     n = append(g_line, n, sizeof g_line, " (");
     n = append(g_line, n, sizeof g_line, detail);

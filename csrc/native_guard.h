@@ -10,8 +10,8 @@
  *              can log. When full, the oldest messages go first (lsn_log_dropped counts them).
  *   guard      a fatal-signal handler (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT, on an
  *              alternate stack) and ggml's abort hook: each writes one line prepared by Python
- *              beforehand ("error: llama.cpp crashed (SIGSEGV) while loading M onto CUDA0 (try
- *              ...); report: PATH") with async-signal-safe write(2), then a report file with
+ *              beforehand ("error: crashed (SIGSEGV) in llama.cpp while loading M onto CUDA0
+ *              (try ...); report: PATH") with async-signal-safe write(2), then a report file with
  *              the native stack (backtrace_symbols_fd), the last log lines and Python's
  *              faulthandler stack, and exits with the code it was given.
  *   lost hook  while RPC servers are attached, ggml's abort means a lost server: the hook writes
@@ -45,8 +45,9 @@ uint64_t lsn_log_dropped(void);
    (its stack is copied into the report), or -1; exit_code: the process's exit status after a
    crash. Returns 0, or -1 if a handler could not be installed. */
 int lsn_guard_install(const char *report_path, int python_fd, int exit_code);
-/* What localspec is doing now, e.g. "while loading m.gguf onto CPU (try ...)": the crash line
-   says it. Copied (at most 767 bytes); safe to call from any thread at any time. */
+/* What localspec is doing now, e.g. "in llama.cpp while loading m.gguf onto CPU (try ...)":
+   the crash line says it after "error: crashed (SIGSEGV) ". Copied (at most 767 bytes); safe
+   to call from any thread at any time. */
 void lsn_guard_set_phase(const char *phase);
 /* ggml_abort_callback_t: ggml_abort() calls it before abort(). */
 void lsn_abort_hook(const char *message);

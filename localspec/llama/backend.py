@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from . import libs
+from . import libs, native
 from ..errors import LocalspecError
 
 
@@ -35,20 +35,25 @@ class _NotLoaded:
 
 C = _NotLoaded()
 _lib_state = {"account": ""}
+_state: dict = {"decoded": False}      # per process: read-once facts of the build
 
 
 def _load_llama_cpp(exact: Optional[bool] = None):
     """Import llama_cpp once per process, with the libraries exact mode (LOCALSPEC_EXACT=1 or
-    `exact`) asks for; later calls return the module already loaded."""
+    `exact`) asks for; later calls return the module already loaded. The crash guard is on
+    before the libraries load, and llama.cpp's log goes to the C sink right after."""
     global C
     if isinstance(C, _NotLoaded):
+        native.install_guard()
         if "llama_cpp" in sys.modules:     # a script or test imported it first: its choice stands
             _lib_state["account"] = "the libraries llama_cpp loaded before localspec could choose"
         else:
-            _lib_state["account"] = _import_llama_cpp(
-                libs.exact_requested() if exact is None else exact)
+            with native.phase("in llama.cpp while loading its libraries "
+                              "(try LOCALSPEC_EXACT=0, or rerun ./install.sh)"):
+                _lib_state["account"] = _import_llama_cpp(
+                    libs.exact_requested() if exact is None else exact)
         C = sys.modules["llama_cpp"]
-        _install_log_callback()
+        _install_native_hooks()
     return C
 
 
@@ -84,12 +89,27 @@ def library_account() -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Logging and backend
+#
+# llama.cpp logs from any thread and at exit: its log goes to native_guard's C sink (no Python
+# callback, ever), and Python drains it with drain_log() after each call that can log.
 
 _LOG_LEVEL_NAMES = {"debug": 1, "info": 2, "warn": 3, "error": 4}  # ggml_log_level values
-_log_state = {"min_level": 4, "callback": None}  # keep the ctypes callback alive for the process
+# What the sink keeps below the level shown: a load's placement lines, a GPU backend's failure
+_LOG_KEEP = ("using device ", "offloaded ", " assigned to device ", "failed to initialize")
+_log_state = {"min_level": 4, "hooks": None}
 
 
-def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+def drain_log() -> None:
+    """Hand what llama.cpp logged since the last drain to _on_log, oldest first."""
+    if _log_state["hooks"] == "c":
+        for level, text in native.drain():
+            _on_log(level, text.encode("utf-8"), None)
+
+
+def _on_log(level: int, text: bytes, _user=None) -> None:
+    """One drained message: placement lines to a load in progress, a backend's start failure
+    kept for check_offload and doctor, the rest to stderr at the level shown (or into the
+    message of a load in progress). Called by drain_log, in Python's own time."""
     # level 5 is GGML_LOG_LEVEL_CONT: a continuation of the previous message; follow its filter.
     if level != 5:
         _log_state["last_shown"] = level >= _log_state["min_level"]
@@ -126,14 +146,25 @@ def set_log_level(level: str = "error") -> None:
             _log_state["warned"] = True
         level = "error"
     _log_state["min_level"] = _LOG_LEVEL_NAMES.get(level, 99)
-    if not isinstance(C, _NotLoaded):   # else _load_llama_cpp() installs it: a level loads nothing
-        _install_log_callback()
+    native.configure_log(_log_state["min_level"], _LOG_KEEP)
 
 
-def _install_log_callback() -> None:
-    if _log_state["callback"] is None:
-        _log_state["callback"] = C.llama_log_callback(_on_log)
-        C.llama_log_set(_log_state["callback"], ctypes.c_void_p(0))
+def _install_native_hooks() -> None:
+    """llama.cpp's log to the C sink (LOCALSPEC_LOG_SINK=stderr: llama.cpp's own default, which
+    prints everything to stderr), and ggml's abort hook to the C guard (unless
+    LOCALSPEC_CRASH_GUARD=0). Both are C function pointers: nothing calls back into Python."""
+    if _log_state["hooks"] is not None:
+        return
+    if native.sink_wanted():
+        set_log_level(os.environ.get("LOCALSPEC_LOG", "error"))
+        C.llama_log_set(C.llama_log_callback(native.address("lsn_log_sink")), None)
+        _log_state["hooks"] = "c"
+    else:
+        C.llama_log_set(C.llama_log_callback(0), None)   # NULL: llama.cpp prints to stderr
+        _log_state["hooks"] = "stderr"
+    if native.guard_wanted():
+        _raw_function("ggml_set_abort_callback", ctypes.c_void_p, ctypes.c_void_p)(
+            native.address("lsn_abort_hook"))
 
 
 _backend_ready = False
@@ -142,18 +173,17 @@ _backend_ready = False
 def _ensure_backend() -> None:
     global _backend_ready
     if not _backend_ready:
-        set_log_level(os.environ.get("LOCALSPEC_LOG", "error"))
-        C.llama_backend_init()
+        _load_llama_cpp()
+        with native.phase("in llama.cpp while starting its backends "
+                          "(try LOCALSPEC_BACKEND=cpu ./install.sh)"):
+            C.llama_backend_init()
+        drain_log()
         _backend_ready = True
 
 
-def ggml_function(name: str, restype, *argtypes):
-    """A function of ggml's exported C API, for what llama_cpp does not bind (RPC), with its
-    ctypes signature set. Looked up through libllama's handle, which also searches the ggml
-    libraries it was linked with: the very copies (and backend registry) llama.cpp uses. (The
-    wheel ships libggml.so and libggml.so.0 as two files; opening the first would load a second,
-    separate registry.)"""
-    _ensure_backend()
+def _raw_function(name: str, restype, *argtypes):
+    """`name` from libllama's handle (which also searches the ggml libraries it links), with
+    its ctypes signature set; nothing initialised first."""
     try:
         fn = C.llama_cpp._lib[name]          # a fresh function object: llama_cpp's stay untouched
     except AttributeError:
@@ -163,9 +193,48 @@ def ggml_function(name: str, restype, *argtypes):
     return fn
 
 
+def ggml_function(name: str, restype, *argtypes):
+    """A function of ggml's exported C API, for what llama_cpp does not bind (RPC), with its
+    ctypes signature set. Looked up through libllama's handle, which also searches the ggml
+    libraries it was linked with: the very copies (and backend registry) llama.cpp uses. (The
+    wheel ships libggml.so and libggml.so.0 as two files; opening the first would load a second,
+    separate registry.)"""
+    _ensure_backend()
+    return _raw_function(name, restype, *argtypes)
+
+
 def system_info() -> str:
-    """llama.cpp's compile-time CPU/GPU feature line (what this build can use)."""
-    return C.llama_print_system_info().decode("utf-8", "replace").strip()
+    """llama.cpp's compile-time CPU/GPU feature line (what this build can use), read once per
+    process (llama_print_system_info asks every backend; a load needs none of it:
+    cpu_features() is what the load path reads)."""
+    if "system_info" not in _state:
+        _ensure_backend()
+        _state["system_info"] = C.llama_print_system_info().decode("utf-8", "replace").strip()
+    return _state["system_info"]
+
+
+class _Feature(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_char_p)]   # ggml_backend_feature
+
+
+def cpu_features() -> dict:
+    """The CPU backend's own feature list, e.g. {"AVX2": "1", "BATCH_INVARIANT": "32"}: asked of
+    ggml's CPU registry entry only, so no GPU backend is touched. Read once per process."""
+    if "cpu_features" not in _state:
+        reg = ggml_function("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)(b"CPU")
+        addr = ggml_function("ggml_backend_reg_get_proc_address", ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_char_p)(reg, b"ggml_backend_get_features") \
+            if reg else None
+        found = {}
+        if addr:
+            get = ctypes.CFUNCTYPE(ctypes.POINTER(_Feature), ctypes.c_void_p)(addr)
+            features = get(reg)
+            for i in range(256):
+                if not features[i].name:
+                    break
+                found[features[i].name.decode()] = (features[i].value or b"").decode()
+        _state["cpu_features"] = found
+    return _state["cpu_features"]
 
 
 def backend_version() -> str:
@@ -195,15 +264,26 @@ class Device:
 
 
 def device_handles() -> list:
-    """(ggml_backend_dev_t, type name) of every device in ggml's registry, in order."""
+    """(ggml_backend_dev_t, type name) of every device in ggml's registry, in order. Asks
+    nothing of a device (no memory probe, no context)."""
     count = ggml_function("ggml_backend_dev_count", ctypes.c_size_t)
     get = ggml_function("ggml_backend_dev_get", ctypes.c_void_p, ctypes.c_size_t)
     kind = ggml_function("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
     return [(dev, _DEVICE_TYPES.get(kind(dev), "?")) for dev in (get(i) for i in range(count()))]
 
 
+def offload_device_names() -> list:
+    """Names of the devices --gpu-layers can put layers on ("CUDA0", "Vulkan0", "RPC0[...]"),
+    from the registry alone: no device is initialised (check_offload and the crash line)."""
+    name = ggml_function("ggml_backend_dev_name", ctypes.c_char_p, ctypes.c_void_p)
+    return [(name(dev) or b"?").decode() for dev, kind in device_handles()
+            if kind in OFFLOAD_TYPES]
+
+
 def devices() -> list:
-    """Every device llama.cpp can place layers on, the CPU included, in registry order."""
+    """Every device llama.cpp can place layers on, the CPU included, in registry order, with its
+    free and total memory. The memory probe creates a GPU's context (CUDA: a few hundred MiB):
+    `localspec doctor` asks, a load never does (it uses offload_device_names)."""
     name = ggml_function("ggml_backend_dev_name", ctypes.c_char_p, ctypes.c_void_p)
     desc = ggml_function("ggml_backend_dev_description", ctypes.c_char_p, ctypes.c_void_p)
     memory = ggml_function("ggml_backend_dev_memory", None, ctypes.c_void_p,
@@ -247,7 +327,7 @@ def backend_init_failures() -> list:
 def check_offload(n_gpu_layers: int) -> None:
     """Before a load that asks for `n_gpu_layers` on a device: fail in one line, with the fix,
     when there is nowhere to put them (llama.cpp would silently keep every layer on the CPU)."""
-    if n_gpu_layers == 0 or any(d.type in OFFLOAD_TYPES for d in devices()):
+    if n_gpu_layers == 0 or offload_device_names():
         return
     backends = gpu_backends()
     if not backends:
@@ -266,15 +346,12 @@ def check_offload(n_gpu_layers: int) -> None:
         "LOCALSPEC_BACKEND=cpu ./install.sh.")
 
 
-_state = {"decoded": False}
-
-
 def batch_invariant_rows() -> int:
     """How many rows a batch may have and still compute every row bit-identically to a one-token
     decode on the CPU (the BATCH_INVARIANT feature of localspec's patched ggml-cpu, install.sh's
     llama_cpp/lib-exact; docs/exactness.md); 0 for llama.cpp's own libraries."""
-    found = re.search(r"BATCH_INVARIANT = (\d+)", system_info())
-    return int(found.group(1)) if found else 0
+    value = cpu_features().get("BATCH_INVARIANT", "0")
+    return int(value) if value.isdigit() else 0
 
 
 def enable_exact_kernels() -> None:
@@ -305,7 +382,7 @@ def tiled_matmul_off() -> bool:
 def build_has_amx() -> bool:
     """True when this llama.cpp build contains the AMX kernels that crash on first decode
     (upstream llama.cpp issue 20824); install.sh builds without them."""
-    return "AMX" in system_info()
+    return any(name.startswith("AMX") for name in cpu_features())
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int,

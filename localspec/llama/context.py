@@ -14,6 +14,8 @@ from . import backend as _b
 from . import rpc
 from .model import Model
 
+_IDLE = _b.native.encode_phase(_b.native.IDLE)
+
 PREFILL_GRID = 64
 """Prompts are evaluated in chunks of this many tokens starting at position 0 (a fixed grid of
 absolute positions). llama.cpp's CPU kernels may round differently for batches of other shapes,
@@ -53,11 +55,14 @@ class Context:
     Invariant: `tokens` are the ids whose KV rows fill positions 0..n_past-1 of seq 0, in order;
     decode() appends at n_past. Every change of the KV cache goes through this class, so `tokens`
     is always what the cache holds, whatever raised in between.
+    Lifetime: close() frees it, and so does closing its model; a closed context raises
+    LocalspecError rather than call into freed memory (`closed` says which it is).
     """
 
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
         self.model = model
         self.params = params
+        self._ctx = None
         cp = _b.C.llama_context_default_params()
         cp.n_ctx = params.n_ctx
         cp.n_batch = cp.n_ubatch = min(params.n_batch, params.n_ctx)
@@ -66,11 +71,17 @@ class Context:
         cp.flash_attn_type = (_b.C.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
                               else _b.C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cp.no_perf = True
-        self._ctx = _b.C.llama_init_from_model(model._model, cp)
+        with _b.native.phase(f"in llama.cpp while creating a context of {params.n_ctx} tokens "
+                             f"for {model.path.name} on {model.device} {model.crash_hint}"):
+            ctx = _b.C.llama_init_from_model(model.handle(), cp)
+        _b.drain_log()
         rpc.secure()                              # a connection it opened: bounded from now
-        if not self._ctx:
+        if not ctx:
             raise LocalspecError(f"llama.cpp could not create a context of {params.n_ctx} tokens "
                                  "(out of memory?); try a smaller --ctx.")
+        self._ctx = ctx
+        model._contexts.append(self)              # the model frees it first when it closes
+        self._phases: dict = {}                   # batch size -> the crash line's phase
         self.n_ctx: int = _b.C.llama_n_ctx(self._ctx)
         self.n_batch: int = cp.n_batch
         self.n_threads = threads
@@ -98,6 +109,25 @@ class Context:
         """Positions filled in the KV cache."""
         return len(self.tokens)
 
+    @property
+    def closed(self) -> bool:
+        return self._ctx is None
+
+    def _live(self):
+        """The llama_context pointer; raises once this context (or its model) was closed."""
+        if self._ctx is None:
+            raise LocalspecError("this llama.cpp context was closed (its engine or model was "
+                                 "closed); nothing can run on it any more.")
+        return self._ctx
+
+    def _decode_phase(self, n: int) -> bytes:
+        phase = self._phases.get(n)
+        if phase is None:
+            phase = self._phases[n] = _b.native.encode_phase(
+                f"in llama.cpp while decoding a batch of {n} tokens with "
+                f"{self.model.path.name} on {self.model.device} {self.model.crash_hint}")
+        return phase
+
     def decode(self, tokens: Sequence[int], logits: str | Sequence[int] = "last") -> np.ndarray:
         """Append `tokens` at n_past and return logits for the chosen rows.
 
@@ -108,6 +138,7 @@ class Context:
         n = len(tokens)
         if n == 0:
             raise ValueError("decode() needs at least one token")
+        ctx = self._live()
         if self.n_past + n > self.n_ctx:
             raise LocalspecError(
                 f"the text needs {self.n_past + n} tokens but the context holds {self.n_ctx}; "
@@ -128,7 +159,10 @@ class Context:
             self._pos[:m] = np.arange(self.n_past, self.n_past + m)  # n_past grows per chunk
             self._out[:m] = want[chunk]
             self._batch.n_tokens = m
-            rc = _b.C.llama_decode(self._ctx, self._batch)
+            _b.native.set_phase(self._decode_phase(m))
+            rc = _b.C.llama_decode(ctx, self._batch)
+            _b.native.set_phase(_IDLE)
+            _b.drain_log()
             _b._state["decoded"] = True
             if rc != 0:
                 self._drop_failed_chunk()
@@ -136,7 +170,7 @@ class Context:
             self.tokens.extend(int(t) for t in tokens[chunk])
         if n_rows == 0:
             return np.empty((0, self.model.n_vocab), dtype=np.float32)
-        ptr = _b.C.llama_get_logits(self._ctx)
+        ptr = _b.C.llama_get_logits(ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
 
     def sync(self, tokens: Sequence[int], stop=None, grid: int = 0) -> tuple:
@@ -192,6 +226,7 @@ class Context:
             raise ValueError(f"truncate() needs n_keep >= 0, got {n_keep}")
         if n_keep >= self.n_past:
             return True
+        self._live()
         ok = bool(_b.C.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
         if ok:
             del self.tokens[n_keep:]
@@ -201,12 +236,14 @@ class Context:
         return ok
 
     def clear(self) -> None:
+        self._live()
         _b.C.llama_memory_clear(self._mem, True)
         self.tokens = []
         self._clean = (0, 0)
 
     def rows_held(self) -> int:
         """KV rows llama.cpp holds for seq 0 (n_past, unless an interrupt broke bookkeeping)."""
+        self._live()
         return int(_b.C.llama_memory_seq_pos_max(self._mem, 0)) + 1     # 0 when empty
 
     def reconcile(self) -> None:
@@ -221,13 +258,14 @@ class Context:
     def _drop_failed_chunk(self) -> None:
         """A failed llama_decode may leave part of its batch in the cache: keep the chunks that
         succeeded (`tokens` already lists exactly those), or nothing if that is refused."""
+        self._live()
         if not bool(_b.C.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)):
             self.clear()
 
     # -- saved states (what the prompt cache keeps) ------------------------------------------
     def state_size(self) -> int:
         """Bytes save_state() writes now: seq 0's KV rows, their positions, a small header."""
-        return int(_b.C.llama_state_seq_get_size(self._ctx, 0))
+        return int(_b.C.llama_state_seq_get_size(self._live(), 0))
 
     def save_state(self, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Copy seq 0's KV state (positions 0..n_past-1) out of llama.cpp.
@@ -242,7 +280,7 @@ class Context:
         elif out.dtype != np.uint8 or out.size < size or not out.flags.c_contiguous:
             raise ValueError(f"save_state needs a contiguous uint8 buffer of {size} bytes")
         dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        n = _b.C.llama_state_seq_get_data(self._ctx, dst, size, 0)
+        n = _b.C.llama_state_seq_get_data(self._live(), dst, size, 0)
         if n != size:
             raise LocalspecError(f"llama.cpp wrote {n} of {size} bytes of KV state.")
         return out[:size]
@@ -262,14 +300,16 @@ class Context:
             raise LocalspecError(f"a saved state of {n_tokens} tokens does not fit a context of "
                                  f"{self.n_ctx}; raise --ctx.")
         src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        ctx = self._live()
         # Seq 0 is all this context holds: start from an empty cache so the rows land in cells
         # 0..n-1 as a fresh evaluation's would (the same cell layout, the same sums).
         _b.C.llama_memory_clear(self._mem, True)
         _b._log_state["captured"] = []   # llama.cpp says why it refuses; that goes in our message
         try:
             n = _b.C.llama_state_seq_set_data(
-                self._ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), src.size, 0)
+                ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), src.size, 0)
         finally:
+            _b.drain_log()
             captured = _b._log_state.pop("captured")
         lo = _b.C.llama_memory_seq_pos_min(self._mem, 0)
         hi = _b.C.llama_memory_seq_pos_max(self._mem, 0)
@@ -284,10 +324,19 @@ class Context:
         self._clean = (min(n_clean, n_tokens) // grid * grid, grid) if grid > 0 else (0, 0)
 
     def close(self) -> None:
-        if self._ctx:
+        """Free the context (idempotent). Its numpy views die with the batch: nothing may use
+        them after this."""
+        if self._ctx is None:
+            return
+        ctx, self._ctx, self._mem = self._ctx, None, None
+        if self in self.model._contexts:
+            self.model._contexts.remove(self)
+        self._tok = self._pos = self._out = None
+        with _b.native.phase(f"in llama.cpp while freeing a context of {self.model.path.name} "
+                             f"{self.model.crash_hint}"):
             _b.C.llama_batch_free(self._batch)
-            _b.C.llama_free(self._ctx)
-            self._ctx = None
+            _b.C.llama_free(ctx)
+        _b.drain_log()
 
     def __enter__(self) -> "Context":
         return self
