@@ -221,7 +221,7 @@ def engine_verify(rows, drafts, sampling, recent, margin):
     """What step.step does after the decode for greedy point-mass drafts: verify() over
     target_dist() rows, then near_tie() over top2_gap() rows."""
     verdict = verify(drafts, None, lambda i: target_dist(rows[i], sampling, recent + drafts[:i]),
-                     PositionStream(1), t0=0)
+                     PositionStream(1), out_pos=0)
     if drafts:
         near_tie(rows, verdict.n_accepted, sampling, recent, drafts, margin)
     return verdict

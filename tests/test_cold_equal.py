@@ -37,7 +37,7 @@ MODES = {"plain": ("none", None), "ngram-k3": ("ngram", 3)}
 def engine_config(mode: str, cache: bool) -> EngineConfig:
     proposer, k = MODES[mode]
     return EngineConfig(proposer=proposer, n_ctx=2048, n_threads=1, cache_mb=None if cache else 0,
-                        learn_cost=False, policy=PolicyConfig(fixed_k=k))
+                        refit_cost=False, policy=PolicyConfig(fixed_k=k))
 
 
 def sampling(seed) -> SamplingParams:

@@ -26,7 +26,7 @@ from localspec.speculative.verify import verify
 def reference(rows, drafts, sampling, recent, margin):
     """The engine's per-row path: (n_accepted, token, first near-tie row or None)."""
     verdict = verify(drafts, None, lambda i: target_dist(rows[i], sampling, recent + drafts[:i]),
-                     PositionStream(7), t0=0)
+                     PositionStream(7), out_pos=0)
     tie = None
     if drafts and margin > 0:
         tie = next((i for i in range(verdict.n_accepted + 1)

@@ -81,9 +81,9 @@ def drafted(tokens, source="history"):
     return Proposal(list(tokens), None, source)
 
 
-def run_step(ctx, history, drafts, sampling=GREEDY, tie_margin=0.0, t0=0):
+def run_step(ctx, history, drafts, sampling=GREEDY, tie_margin=0.0, out_pos=0):
     ctx.tokens = list(history[:-1])        # the invariant: every token but the last is in KV
-    return step(ctx, drafted(drafts), sampling, history, PositionStream(7), t0, tie_margin)
+    return step(ctx, drafted(drafts), sampling, history, PositionStream(7), out_pos, tie_margin)
 
 
 def test_all_drafts_accepted_gives_a_bonus_token_and_keeps_their_rows():
@@ -153,8 +153,8 @@ def test_seeded_sampling_is_the_same_with_and_without_drafts():
     ctx = ScriptedContext(margin=0.7)
     plain, history = [], [1, 2, 3]
     for t in range(6):
-        plain += run_step(ctx, history + plain, [], sampling, t0=t).emitted
-    spec = run_step(ctx, history, plain[:4], sampling, t0=0).emitted
+        plain += run_step(ctx, history + plain, [], sampling, out_pos=t).emitted
+    spec = run_step(ctx, history, plain[:4], sampling, out_pos=0).emitted
     assert spec == plain[:len(spec)] and len(spec) >= 1
 
 

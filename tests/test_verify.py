@@ -43,13 +43,13 @@ def grid(n):
 def test_greedy_accepts_while_draft_equals_argmax():
     drafts = [5, 9, 4]
     argmaxes = [5, 9, 7, 2]
-    v = verify(drafts, None, lambda i: point_mass(argmaxes[i]), PositionStream(0), t0=0)
+    v = verify(drafts, None, lambda i: point_mass(argmaxes[i]), PositionStream(0), out_pos=0)
     assert (v.n_accepted, v.token, v.bonus) == (2, 7, False)
     assert v.emitted(drafts) == [5, 9, 7]
 
 
 def test_all_accepted_draws_bonus_from_the_next_position():
-    v = verify([3, 1], None, lambda i: point_mass([3, 1, 8][i]), PositionStream(0), t0=0)
+    v = verify([3, 1], None, lambda i: point_mass([3, 1, 8][i]), PositionStream(0), out_pos=0)
     assert (v.n_accepted, v.token, v.bonus) == (2, 8, True)
 
 

@@ -77,11 +77,11 @@ def greedy_verify(rows: np.ndarray, drafts: Sequence[int], sampling: SamplingPar
 
 
 def greedy_step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
-                stream: PositionStream, t0: int, tie_margin: float = 0.0) -> StepResult:
+                stream: PositionStream, out_pos: int, tie_margin: float = 0.0) -> StepResult:
     """step.step's contract and result, verified by greedy_verify. Sampled decoding and drafts
     with probabilities (a draft model sampling) go to step.step unchanged."""
     if not sampling.greedy or proposal.p_draft is not None:
-        return step(ctx, proposal, sampling, history, stream, t0, tie_margin)
+        return step(ctx, proposal, sampling, history, stream, out_pos, tie_margin)
     clock = time.perf_counter
     drafts, n_past = list(proposal.tokens), ctx.n_past
     t1 = clock()

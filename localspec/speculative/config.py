@@ -44,5 +44,5 @@ class EngineConfig:
     learn: bool = True                    # add this engine's outputs to it (False: read only)
     store_mb: Optional[float] = None      # its RAM budget (None: $LOCALSPEC_STORE_MB or 64)
     store_disk: bool = True               # keep it in <home>/store across restarts
-    learn_cost: bool = True               # refine r(k) from step timings (False: the cached
+    refit_cost: bool = True               # refine r(k) from step timings (False: the cached
                                           # curve alone decides k: same k sequence every run)

@@ -43,7 +43,7 @@ class Drafting:
             st = curve.notes.get("stability")     # a rough or unfinished curve: trust the steps
             rough = (st is not None and st.noisy) or not curve.notes.get("complete", True)
             self.cost = CostModel(curve.ratios, curve.ms_per_step,
-                                  CostConfig(online=self.config.learn_cost), noisy=rough)
+                                  CostConfig(online=self.config.refit_cost), noisy=rough)
             self._draft_cost = proposer.draft_cost(curve, self._progress)
         rules = DraftPolicy(self.cost.prior.tolist(), config, self._draft_cost)
         proposer = fit_to_device(proposer, rules)

@@ -63,6 +63,7 @@ class Engine:
         self.drafting = Drafting(config, progress)
         self.trusts_batches = batches_trusted(config)    # no near-tie guard needed
         self._can_rollback = True
+        self._running: Optional[Generation] = None      # the request whose cleanup is pending
 
     # -- public --------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> list:
@@ -82,7 +83,9 @@ class Engine:
         """Start a generation. `prompt` is raw text, or chat messages [{"role", "content"}] that
         are rendered with the model's own template. `document` is extra text for the n-gram
         proposer to search; `policy` overrides the engine's draft policy for this request.
-        Iterate the result for streamed text."""
+        Iterate the result for streamed text. A request still open from an earlier call is
+        ended first (one generation at a time: its cleanup must not touch this one's KV)."""
+        self._end_running()
         prompt_tokens = self.tokenize_prompt(prompt)
         if not prompt_tokens:
             raise LocalspecError("the prompt is empty (and this model adds no start token); "
@@ -92,14 +95,17 @@ class Engine:
                 f"the prompt is {len(prompt_tokens)} tokens but the context holds {self.ctx.n_ctx}; "
                 f"raise --ctx (the model was trained on {self.model.n_ctx_train}) or shorten it.")
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-        rules = self._policy(policy) if speculate else None
+        rules = None
+        if speculate:    # the first policy may drop a draft model that cannot pay here
+            rules, self.proposer = self._policy_for(policy)
         guard = self.config.tie_margin if sampling.greedy and not self.trusts_batches else 0.0
         req = Request(sampling, PositionStream(seed), rules, list(prompt_tokens), guard)
         if rules is not None:
             doc = self.model.tokenize(document, add_special=False) if document else None
             self.proposer.begin(prompt_tokens, doc, sampling, seed)
         texts = TextStream(self.model.token_piece, stop)
-        return Generation(self._run(req, texts, max_tokens, cancel), req, texts)
+        self._running = Generation(self._run(req, texts, max_tokens, cancel), req, texts)
+        return self._running
 
     def next_logits(self, tokens: Sequence[int]) -> np.ndarray:
         """The logits row [n_vocab] after `tokens`, evaluated from a cold cache (a copy)."""
@@ -117,7 +123,7 @@ class Engine:
         """Measure (or load) the cost curve now rather than on the first speculative request,
         e.g. when a server starts, and drop a draft model that cannot pay."""
         if self.proposer is not None:
-            self._policy(None)
+            _, self.proposer = self._policy_for(None)
 
     def keep_live_state(self) -> None:
         """Save the live KV state in the prompt cache (on disk too when it has a folder), e.g.
@@ -130,6 +136,9 @@ class Engine:
             print(f"localspec: could not save the prompt state ({e}).", file=sys.stderr)
 
     def close(self) -> None:
+        """End the open request (its cleanup runs now, on a live context), then free the
+        proposer, the context and an owned model, in that order. Idempotent."""
+        self._end_running()
         if self.proposer is not None:
             self.proposer.close()
             self.proposer = None
@@ -137,6 +146,14 @@ class Engine:
             self.ctx.close()
         if self._own_model:
             self.model.close()
+
+    def _end_running(self) -> None:
+        """Close the last generator handed out: its `finally` (KV cleanup, the draft store's
+        update) runs now, while everything it touches is open, never later from the garbage
+        collector or at interpreter exit. A no-op for one already finished or never started."""
+        running, self._running = self._running, None
+        if running is not None:
+            running.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -201,33 +218,43 @@ class Engine:
             if tail:
                 yield tail
         finally:
-            # Keep only KV rows that match prompt + output: a stop inside an accepted run, an
-            # exception or Ctrl-C must not leave stray rows for the next request to reuse.
-            self.ctx.reconcile()
-            if not self.ctx.truncate(min(self.ctx.n_past, n_prompt + len(req.out))):
-                self.ctx.clear()
-            st.generated_tokens = len(req.out)
-            if req.policy is not None:
-                st.pauses = req.policy.guard.n_backoffs
-                self.proposer.end()            # the draft store keeps the output
+            self._finish(req, n_prompt)
             st.total_ms = 1000 * (time.perf_counter() - start)
             if not st.stop_reason:
                 st.stop_reason = "cancelled"
 
+    def _finish(self, req: Request, n_prompt: int) -> None:
+        """A request's cleanup. Keep only KV rows that match prompt + output: a stop inside an
+        accepted run, an exception or Ctrl-C must not leave stray rows for the next request to
+        reuse. Touches nothing that was closed: engine.close() ends the request first, so a
+        closed context here means its owner freed it behind the engine's back."""
+        st = req.stats
+        st.generated_tokens = len(req.out)
+        if req.policy is not None:
+            st.pauses = req.policy.guard.n_backoffs
+        if getattr(self.ctx, "closed", False):
+            return
+        self.ctx.reconcile()
+        if not self.ctx.truncate(min(self.ctx.n_past, n_prompt + len(req.out))):
+            self.ctx.clear()
+        if req.policy is not None and self.proposer is not None:
+            self.proposer.end()                # the draft store keeps the output
+
     def _step(self, req: Request) -> list:
-        """Ask the proposer (unless a near-tie must be re-decided alone), run one step, learn."""
-        t0 = time.perf_counter()
+        """Ask the proposer (unless a near-tie must be re-decided alone), run one step, let the
+        policy observe it."""
+        started = time.perf_counter()
         room = self.ctx.n_ctx - self.ctx.n_past - 1
         proposal = self._propose(req.policy, room) \
             if req.policy is not None and room > 0 and not req.recheck else EMPTY
-        propose_ms = 1000 * (time.perf_counter() - t0)
+        propose_ms = 1000 * (time.perf_counter() - started)
         result = step(self.ctx, proposal, req.sampling, req.history, req.stream,
-                      t0=len(req.out), tie_margin=req.tie_margin)
+                      out_pos=len(req.out), tie_margin=req.tie_margin)
         req.recheck = result.recheck
         if not result.rolled_back:
             self._rollback_refused(req, result.emitted)
         if req.policy is not None:
-            self._learn(req.policy, proposal, result, propose_ms)
+            self._observe(req.policy, proposal, result, propose_ms)
         st = req.stats
         st.record_step(proposal.source, result.n_drafted,
                        min(result.n_accepted, len(result.emitted)))
@@ -254,24 +281,26 @@ class Engine:
         return self.proposer.draft(best[0], best[1]) if best is not None else passed
 
     @staticmethod
-    def _learn(policy: AdaptivePolicy, proposal: Proposal, result: StepResult,
-               propose_ms: float) -> None:
+    def _observe(policy: AdaptivePolicy, proposal: Proposal, result: StepResult,
+                 propose_ms: float) -> None:
+        """Update the policy from one step: acceptance, the guard and the cost curve's refit
+        (the draft store's learning is the proposer's, config.learn)."""
         if proposal.source == "draft":     # the draft model keeps its scalar estimate
             if result.n_drafted:
                 policy.draft.observe("draft", result.n_drafted, result.n_accepted)
             return
-        # n-gram proposals and plain steps: acceptance, the guard and the cost curve learn
+        # n-gram proposals and plain steps: acceptance, the guard and the cost curve update
         policy.observe_step(proposal.features, result.n_drafted, result.n_accepted,
                             result.emitted, result.verify_ms, propose_ms)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _policy(self, override: Optional[PolicyConfig]) -> Optional[AdaptivePolicy]:
-        """The draft policy for a request (None: decode plainly), from drafting.py; the first
-        one may drop a draft model that cannot pay here."""
+    def _policy_for(self, override: Optional[PolicyConfig]) -> tuple:
+        """(the draft policy for a request, the proposer to keep), from drafting.py. Policy None:
+        decode plainly. The proposer comes back changed when the first policy drops a draft
+        model that cannot pay here (None: no speculation left); the caller stores it."""
         if self.proposer is None or not self._can_rollback:
-            return None
-        policy, self.proposer = self.drafting.policy(self.ctx, self.proposer, override)
-        return policy
+            return None, self.proposer
+        return self.drafting.policy(self.ctx, self.proposer, override)
 
     def _rollback_refused(self, req: Request, emitted: list) -> None:
         """The model's memory cannot drop rows (recurrent/hybrid): rebuild KV, stop speculating."""

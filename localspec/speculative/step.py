@@ -1,7 +1,7 @@
 """One speculative step: decode [last] + drafts in one batch, verify, keep what the target agrees
 with, roll the KV cache back past the first rejection. A function of explicit inputs (context,
-proposal, sampling, random stream, position, guard), so tests drive it with a scripted context;
-the engine owns the loop around it (prefill, emitting, stop rules, lifetimes).
+proposal, sampling, random stream, output position, guard), so tests drive it with a scripted
+context; the engine owns the loop around it (prefill, emitting, stop rules, lifetimes).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ class StepResult:
 
 
 def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
-         stream: PositionStream, t0: int, tie_margin: float = 0.0) -> StepResult:
-    """Verify `proposal.tokens` (k drafts, maybe none) after `history` at output position `t0`.
+         stream: PositionStream, out_pos: int, tie_margin: float = 0.0) -> StepResult:
+    """Verify `proposal.tokens` (k drafts, maybe none) after `history`; `out_pos` is the output
+    position of the first of them (what the random stream is indexed by).
 
     KV invariant: before, the cache holds every token of `history` but the last; after, it holds
     every token of history + emitted but the last emitted one (which the next step decodes).
@@ -40,12 +41,12 @@ def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
     """
     clock = time.perf_counter
     drafts, n_past = list(proposal.tokens), ctx.n_past
-    t1 = clock()
+    decode_start = clock()
     rows = ctx.decode([history[-1], *drafts], logits="all")   # [k + 1, n_vocab] float32
-    t2 = clock()
+    decode_end = clock()
     recent = sampling.penalty_window(history)
     verdict = verify(drafts, proposal.p_draft,
-                     lambda i: target_dist(rows[i], sampling, recent + drafts[:i]), stream, t0)
+                     lambda i: target_dist(rows[i], sampling, recent + drafts[:i]), stream, out_pos)
     emitted, kept = verdict.emitted(drafts), verdict.n_accepted
     tie = near_tie(rows, kept, sampling, recent, drafts, tie_margin) if drafts else None
     if tie is not None:   # emit what the rows before it decided; a one-token decode decides it
@@ -53,7 +54,7 @@ def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
     # Keep [last] + the kept drafts; the last emitted token is not in the cache yet.
     rolled_back = ctx.truncate(n_past + 1 + kept)
     return StepResult(emitted, len(drafts), verdict.n_accepted, tie is not None, rolled_back,
-                      1000 * (t2 - t1), 1000 * (clock() - t2))
+                      1000 * (decode_end - decode_start), 1000 * (clock() - decode_end))
 
 
 def near_tie(rows: np.ndarray, upto: int, sampling: SamplingParams, recent: list,

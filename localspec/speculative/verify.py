@@ -46,13 +46,14 @@ def residual(p_target: Dist, p_draft: Dist) -> Dist:
 
 
 def verify(drafts: Sequence[int], p_draft: Optional[Sequence[Dist]],
-           target_at: Callable[[int], Dist], stream: PositionStream, t0: int) -> Verdict:
-    """Verify k drafted tokens against the target; `t0` is the output position of drafts[0].
+           target_at: Callable[[int], Dist], stream: PositionStream, out_pos: int) -> Verdict:
+    """Verify k drafted tokens against the target; `out_pos` is the output position of drafts[0].
 
     target_at(i) -> p_target at draft position i (0..k); called lazily, in order, so penalties
     can see drafts[:i]. p_draft None means point-mass drafts (n-gram lookup, greedy drafting).
 
-    Rule, for draft x at position i (u, u' uniform from the stream at output position t0 + i):
+    Rule, for draft x at position i (u, u' uniform from the stream at output position
+    out_pos + i):
         accept  if  u < min(1, p_target(x) / p_draft(x))
         else    emit recovered ~ norm(max(0, p_target - p_draft)) using u', and stop.
     With a point mass p_draft(x) = 1 this is "draw y ~ p_target with u; accept iff y == x,
@@ -62,7 +63,7 @@ def verify(drafts: Sequence[int], p_draft: Optional[Sequence[Dist]],
     """
     for i, x in enumerate(drafts):
         pt = target_at(i)
-        u = stream.u(t0 + i, 0)
+        u = stream.u(out_pos + i, 0)
         if p_draft is None:
             y = draw(pt, u)
             if y != x:
@@ -71,6 +72,6 @@ def verify(drafts: Sequence[int], p_draft: Optional[Sequence[Dist]],
         pd = p_draft[i]
         ratio = pt.prob(x) / max(pd.prob(x), 1e-30)
         if u >= min(1.0, ratio):
-            return Verdict(i, draw(residual(pt, pd), stream.u(t0 + i, 1)), False)
+            return Verdict(i, draw(residual(pt, pd), stream.u(out_pos + i, 1)), False)
     k = len(drafts)
-    return Verdict(k, draw(target_at(k), stream.u(t0 + k, 0)), True)
+    return Verdict(k, draw(target_at(k), stream.u(out_pos + k, 0)), True)
