@@ -17,7 +17,8 @@
 # Exit 75: no package index reachable (nothing here says anything about the code).
 # Usage: scripts/gpu_bundle.sh     Env: PYTHON (default .venv/bin/python), LOCALSPEC_HOME,
 #        GPU_PY_VERSION (3.12), GPU_BUNDLE_MARGIN_MIB (2), GPU_BUNDLE_QWEN=1 (pull the Qwen models
-#        for their specs: 1.6 GB), GPU_IMAGE_PACKAGES (default scripts/gpu_image_packages.txt)
+#        for their specs: 1.6 GB), GPU_IMAGE_PACKAGES (default scripts/gpu_image_packages.txt),
+#        GPU_BUNDLE_OUT (where .gpu and .gpu2 go; default this checkout)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 V=0.3.36                                   # keep in step with install.sh
@@ -27,8 +28,8 @@ PYV=${GPU_PY_VERSION:-3.12}
 ABI=cp${PYV/./}
 IMAGE=${GPU_IMAGE_PACKAGES:-scripts/gpu_image_packages.txt}
 MARGIN=${GPU_BUNDLE_MARGIN_MIB:-2}
-G=.gpu
-G2=.gpu2
+G=${GPU_BUNDLE_OUT:-.}/.gpu                # GPU_BUNDLE_OUT: another folder (the rehearsal's copy
+G2=${GPU_BUNDLE_OUT:-.}/.gpu2              # of this tree) gets the bundle; sized from this tree
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$G/whl" "$G/specs" "$G2"
 say() { echo "gpu_bundle: $*" >&2; }
@@ -121,11 +122,13 @@ if [ "${GPU_BUNDLE_QWEN:-0}" = 1 ]; then
   for m in default default-draft; do LOCALSPEC_HOME=$HOME_DIR "$PY" -m localspec models pull $m >&2; done
 fi
 spec() {   # catalog file name, spec name; xz: the vocabularies shrink 4x (5.7 -> 1.3 MB)
-  local src="$HOME_DIR/models/$1" out="$G/specs/$2.spec.gguf"
+  local src="$HOME_DIR/models/$1" made="$HOME_DIR/gpu-specs/$2.spec.gguf"
   if [ ! -f "$src" ]; then say "skip $2: $src not cached (localspec models pull)"; return; fi
-  [ -f "$out.xz" ] && return
-  [ -f "$out" ] || "$PY" scripts/random_gguf.py spec "$src" -o "$out"
-  xz -9 "$out"
+  if [ ! -f "$made.xz" ] || [ "$src" -nt "$made.xz" ]; then     # made once per model file
+    mkdir -p "$HOME_DIR/gpu-specs" && rm -f "$made" "$made.xz"
+    "$PY" scripts/random_gguf.py spec "$src" -o "$made" && xz -9 "$made"
+  fi
+  cp -p "$made.xz" "$G/specs/"
 }
 spec qwen2.5-coder-1.5b-instruct-q4_k_m.gguf qwen2.5-coder-1.5b
 spec qwen2.5-coder-0.5b-instruct-q4_k_m.gguf qwen2.5-coder-0.5b
@@ -158,6 +161,7 @@ g1=$(fbytes "$G"); g2=$(fbytes "$G2")
 find "$G" "$G2" -type f -printf '%s\t%p\n' | sort -k2 >&2
 echo "working tree $(mib "$tree") MiB; call 1 (carry .gpu) $(mib $((tree + g1))) MiB;" \
      "call 2 (carry .gpu2) $(mib $((tree + g2))) MiB; limit 64 MiB per call" >&2
+echo "call1_bytes=$((tree + g1)) call2_bytes=$((tree + g2)) tree_bytes=$tree" > "$G/sizes"
 if [ $((tree + g1)) -gt $((64 * 1048576)) ] || [ $((tree + g2)) -gt $((64 * 1048576)) ]; then
   say "error: over the 64 MiB limit"
   exit 1

@@ -2,6 +2,7 @@
 
     python scripts/gpu_measure.py --target T.gguf [--draft D.gguf] [--also M.gguf ...]
                                   [--gpu-layers -1] [--k-max 32] [--tokens 64] [--json out.json]
+                                  [--what curve,identity,draft] [--prompts 20]
 
 - r(k) for k = 0..k_max of every model (calibrate.measure, best of 5 rounds), and which k the
   policy picks on that curve at a given acceptance (it should draft long where r(k) is flat);
@@ -101,7 +102,7 @@ def draft_cost(target: dict, draft_path: str, layers: int, threads) -> dict:
             "cost_in_target_steps": round(cost, 3), "draft_can_pay": keeps}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft")
@@ -109,29 +110,43 @@ def main() -> None:
     ap.add_argument("--gpu-layers", type=int, default=-1)
     ap.add_argument("--k-max", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS),
+                    help="identity on the first N of the suite's prompts")
+    ap.add_argument("--what", default="curve,identity,draft",
+                    help="comma-separated: curve, identity, draft (draft cost needs --draft)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json")
-    a = ap.parse_args()
-    res = {"system": system_info(), "gpu_layers": a.gpu_layers, "curves": [], "identity": []}
+    a = ap.parse_args(argv)
+    what = {w.strip() for w in a.what.split(",") if w.strip()}
+    del PROMPTS[a.prompts:]
+    res = {"system": system_info(), "gpu_layers": a.gpu_layers, "curves": [], "identity": [],
+           "finished": False}
+
+    def save():       # after every model: a run cut short keeps what it finished
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
     for path in [a.target, *a.also]:
         t = time.perf_counter()
-        res["curves"].append(curve(path, a.gpu_layers, a.k_max, a.threads))
-        res["identity"].append(identity(path, a.gpu_layers, a.tokens, a.threads))
-        c, i = res["curves"][-1], res["identity"][-1]
-        print(f"{c['model']}: one-token decode {c['ms_per_step']:.2f} ms; r(k) "
-              + " ".join(f"{r:.2f}" for r in c["ratios"]), file=sys.stderr)
-        print(f"  policy k at acceptance {ACCEPTANCE}: {c['policy_k']}", file=sys.stderr)
-        for mode in ("ngram", "scripted-k8"):
-            m = i[mode]
-            print(f"  identity {mode}: {m['identical']}/{i['prompts']} identical, "
-                  f"{m['accepted']}/{m['drafted']} accepted, {m['rechecks']} rechecks, gaps at "
-                  f"divergence {[d['top2_gap'] for d in m['diverged']]} "
-                  f"({time.perf_counter() - t:.0f} s)", file=sys.stderr)
-    if a.draft:
+        if "curve" in what:
+            res["curves"].append(c := curve(path, a.gpu_layers, a.k_max, a.threads))
+            save()
+            print(f"{c['model']}: one-token decode {c['ms_per_step']:.2f} ms; r(k) "
+                  + " ".join(f"{r:.2f}" for r in c["ratios"]), file=sys.stderr)
+            print(f"  policy k at acceptance {ACCEPTANCE}: {c['policy_k']}", file=sys.stderr)
+        if "identity" in what:
+            res["identity"].append(i := identity(path, a.gpu_layers, a.tokens, a.threads))
+            save()
+            for mode in ("ngram", "scripted-k8"):
+                m = i[mode]
+                print(f"{i['model']}: identity {mode}: {m['identical']}/{i['prompts']} identical, "
+                      f"{m['accepted']}/{m['drafted']} accepted, {m['rechecks']} rechecks, gaps "
+                      f"at divergence {[d['top2_gap'] for d in m['diverged']]} "
+                      f"({time.perf_counter() - t:.0f} s)", file=sys.stderr)
+    if a.draft and "draft" in what and res["curves"]:
         res["draft"] = draft_cost(res["curves"][0], a.draft, a.gpu_layers, a.threads)
         print(f"draft: {res['draft']}", file=sys.stderr)
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+    res["finished"] = True
+    save()
 
 
 if __name__ == "__main__":

@@ -1,127 +1,268 @@
 #!/usr/bin/env bash
-# Runs on a lent GPU machine (no network) what scripts/gpu_bundle.sh packed; results go to $OUT.
-#   scripts/gpu_run.sh setup     venv over the image's packages, ./install.sh offline (CUDA build of
-#                                the trimmed sdist, resumable), localspec's C extension
-#   scripts/gpu_run.sh test      the device tests (pytest -m device), models offloaded
-#   scripts/gpu_run.sh measure   random-weight models of the real shapes, r(k) to k=32, identity on
-#                                20 prompts, draft cost, per-step overhead (engine vs prototype)
-# Phases can be chained: `scripts/gpu_run.sh setup test`. Everything stays in ignored folders
-# (.venv, .gpu-src, .gpu-build, .gpu-home, .gpu-models), so a later call on the still-warm
-# machine reuses it, and `setup` after a timeout resumes the build.
-# On a CPU machine LOCALSPEC_BACKEND=cpu runs the same lines without CUDA (how this script was tested).
+# The offline GPU recipe (docs/gpu-offline-recipe.md): runs on the GPU machine what
+# scripts/gpu_bundle.sh packed, step by step in order of value, each step under its own timeout,
+# each writing its result file into $OUT when it ends (a run cut short returns what it finished):
+#
+#   step      timeout  result file      what
+#   setup       480 s  setup.log        a venv over the image's packages, the carried wheels,
+#                                       ./install.sh offline (the CUDA build: 5 min 23 s once)
+#   diagnose    150 s  diagnose.json    one load per process: llama_cpp.Llama, localspec's door,
+#                                       the raw load + one suspect per case; cuda-gdb stacks
+#   identity     90 s  identity.json    greedy speculative == plain (n-gram; scripted k=8)
+#   curve        90 s  curve.json       r(k) for k = 0..16, the policy's k, the draft's cost
+#   overhead     75 s  overhead.json    Python time per step around the device, engine/prototype
+#   bench       120 s  bench.json       the real SmolLM2-135M: plain, ngram, peer
+#   tests       300 s  tests.log        pytest -m device (tests/test_device.py)
+#
+# plus run.log (every step's status and headline numbers, all calls so far). At most 8 files.
+# Steps done in an earlier call on the same machine are not run again (.gpu-state/), so the same
+# command is made twice: call 1 carries .gpu (setup ... overhead), call 2 .gpu2 (SmolLM2's second
+# part: bench, tests, and whatever call 1 did not finish). The whole run keeps within
+# RUN_BUDGET_S (560) seconds: a step gets what is left when less than its own timeout is.
+# On a machine without a GPU (LOCALSPEC_BACKEND=cpu: the rehearsal, tests/test_gpu_rehearsal.py)
+# every step but `tests` runs on the CPU (layers 0) and `tests` says "skipped: no GPU".
+# Usage: scripts/gpu_run.sh [STEP ...]     (default: every step not done yet)
+# Env: OUT, RUN_BUDGET_S, GPU_LAYERS, IMAGE_PYTHON (python3), FORCE=1 (redo done steps),
+#      <STEP>_TIMEOUT (SETUP_TIMEOUT, ...), DIAG_CASES, DIAG_CASE_TIMEOUT (40), TOKENS (32),
+#      IDENTITY_PROMPTS (20), K_MAX (16), KS (0,4,8,16), OVERHEAD_TOKENS (64),
+#      BENCH_ARGS ("-n 64"), TESTS_ARGS
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/.gpu-out}
-mkdir -p "$OUT"
 ROOT=$PWD
+OUT=${OUT:-$ROOT/.gpu-out}
+STATE=$ROOT/.gpu-state
+mkdir -p "$OUT" "$STATE/logs"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 LOCALSPEC_OFFLINE=1
 export LOCALSPEC_HOME=$ROOT/.gpu-home                  # wheel cache, calibration, models
-MODELS=$ROOT/.gpu-models                               # random-weight models (GBs; not carried)
+MODELS=$ROOT/.gpu-models                               # made here (GBs; never carried)
 VPY=$ROOT/.venv/bin/python
-LAYERS=${GPU_LAYERS:--1}
-say() { echo "== $(date +%T) $*" | tee -a "$OUT/run.log" >&2; }
+IMAGE_PYTHON=${IMAGE_PYTHON:-python3}
+BUDGET=${RUN_BUDGET_S:-560}
+T0=$(date +%s)
+SMOL=$LOCALSPEC_HOME/models/smollm2-135m-instruct-q4_1.gguf
+for d in /usr/local/cuda/bin; do [ -d $d ] && case ":$PATH:" in *":$d:"*) ;; *) PATH=$PATH:$d;; esac; done
+export PATH
 
-setup() {
-  command -v nvcc >/dev/null || [ ! -x /usr/local/cuda/bin/nvcc ] || export PATH=/usr/local/cuda/bin:$PATH
-  say "machine"
-  { nvidia-smi 2>&1 | head -15; nvcc --version 2>&1 | tail -2; python3 --version; cmake --version | head -1
-    nproc; grep -m1 "model name" /proc/cpuinfo; uptime; } >> "$OUT/run.log" 2>&1
-  # A venv that also sees the image's own packages (numpy, pytest, scipy, click, jinja2,
-  # scikit-build-core, cmake, ninja): the image's python3 is itself a venv, whose packages a
-  # nested --system-site-packages venv would not see, so a .pth file adds them.
-  # Without ensurepip in the base Python, a venv without pip still runs the image's pip.
-  [ -x "$VPY" ] || python3 -m venv "$ROOT/.venv" || python3 -m venv --without-pip "$ROOT/.venv" \
-    || return 1
+say() { echo "== $(date -u +%T) $*" | tee -a "$STATE/run.log" >&2; cp "$STATE/run.log" "$OUT/run.log"; }
+layers() { cat "$STATE/gpu_layers" 2>/dev/null || echo 0; }
+have_gpu() { [ "$(cat "$STATE/gpu" 2>/dev/null)" = 1 ]; }
+
+# ---- the steps: each runs in a child (`gpu_run.sh --one STEP`) under `timeout`; its exit status
+# 0 ok, 3 skipped until a later call / 4 skipped for good (its reason on a log line starting
+# "skipped:"), else failed
+
+step_setup() {
+  { echo "# machine"; nvidia-smi 2>&1 | head -15; nvcc --version 2>&1 | tail -2
+    "$IMAGE_PYTHON" --version; cmake --version 2>&1 | head -1; echo "cores: $(nproc)"
+    grep -m1 "model name" /proc/cpuinfo; uptime; free -g | head -2; df -h "$ROOT" | tail -1
+    command -v cuda-gdb gdb; } > "$OUT/setup.log" 2>&1
+  # A venv that also sees the image's own packages (numpy, pytest, scipy, click, jinja2, cmake,
+  # ninja): the image's python3 may itself be a venv, whose packages a nested
+  # --system-site-packages venv would not see, so a .pth file adds them. Without ensurepip in
+  # the base Python, a venv without pip still runs the image's pip.
+  [ -x "$VPY" ] || "$IMAGE_PYTHON" -m venv "$ROOT/.venv" \
+    || "$IMAGE_PYTHON" -m venv --without-pip "$ROOT/.venv" || return 1
   local site vsite
-  site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  site=$("$IMAGE_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   vsite=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$site" > "$vsite/image-packages.pth"
   # The carried wheels first: cffi must be importable when setup.py runs without build
-  # isolation, or setuptools skips `cffi_modules` with a warning and the C matcher is never
-  # built; our scikit-build-core (the build wants >= 0.9.2) shadows whatever the image has.
-  "$VPY" -m pip install -q --no-index --no-deps .gpu/whl/*.whl || return 1
+  # isolation, or setuptools skips `cffi_modules` and the C module is never built; the carried
+  # scikit-build-core (the build wants >= 0.9.2) shadows the image's.
+  "$VPY" -m pip install -q --no-index --no-deps .gpu/whl/*.whl >> "$OUT/setup.log" 2>&1 || return 1
   # The trimmed sdist, unpacked once into a fixed folder and built there with a fixed build dir:
-  # a build cut off by the 10-minute limit resumes on the next call (pip's own temp folders
-  # would change the source path, and scikit-build-core then starts over).
+  # a build cut off by a timeout resumes in the next call (pip's temp folders would change the
+  # source path, and scikit-build-core would start over).
   local src=$ROOT/.gpu-src/llama_cpp_python-0.3.36
   if [ ! -f "$src/pyproject.toml" ]; then
     mkdir -p "$ROOT/.gpu-src" && tar xzf .gpu/whl/llama_cpp_python-0.3.36.tar.gz -C "$ROOT/.gpu-src"
   fi
-  say "install.sh (offline: .gpu/whl is the only index)"
+  echo "# install.sh (offline: .gpu/whl and the image's packages only)" >> "$OUT/setup.log"
   # PIP_NO_BUILD_ISOLATION=0 means "no build isolation" (pip reads the no- option's value).
-  # No --exact libraries: exactness is a CPU claim, and their build would spend device minutes.
+  # No --exact libraries: exactness is a CPU claim, and their build would cost device minutes.
+  local rc=0
   PIP_NO_INDEX=1 PIP_FIND_LINKS=$ROOT/.gpu/whl PIP_NO_BUILD_ISOLATION=0 LOCALSPEC_EXACT_LIBS=0 \
-    LOCALSPEC_LLAMA_SRC=$src SKBUILD_BUILD_DIR=$ROOT/.gpu-build ./install.sh > "$OUT/install.log" 2>&1
-  local rc=$?
-  tail -3 "$OUT/install.log" | tee -a "$OUT/run.log" >&2
-  "$VPY" localspec/llama/buildflags.py --explain >> "$OUT/run.log" 2>&1
-  "$VPY" -c 'import localspec.speculative.ngram, localspec.llama as l; print("C extension ok; GPU offload:",
-             l.supports_gpu_offload(), "|", l.system_info())' 2>&1 | tee -a "$OUT/run.log"
-  return $rc
+    LOCALSPEC_LLAMA_SRC=$src SKBUILD_BUILD_DIR=$ROOT/.gpu-build ./install.sh >> "$OUT/setup.log" 2>&1 || rc=$?
+  if [ $rc != 0 ]; then
+    echo "# .venv/install.log, last 60 lines" >> "$OUT/setup.log"
+    tail -60 "$ROOT/.venv/install.log" >> "$OUT/setup.log" 2>/dev/null
+    return $rc
+  fi
+  "$VPY" localspec/llama/buildflags.py --explain >> "$OUT/setup.log" 2>&1
+  # The GPU devices the build sees, asked of llama_cpp alone in a child of its own (not through
+  # localspec's door; llama_supports_gpu_offload is no test: the RPC backend makes it true)
+  local probe=0
+  timeout 120 "$VPY" - > "$STATE/devices.txt" 2>> "$OUT/setup.log" <<'PY'
+import ctypes, llama_cpp as l
+lib = l.llama_cpp._lib
+def fn(name, res, *args):
+    f = lib[name]; f.restype, f.argtypes = res, list(args); return f
+count, get = fn("ggml_backend_dev_count", ctypes.c_size_t), fn("ggml_backend_dev_get", ctypes.c_void_p, ctypes.c_size_t)
+kind = fn("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
+name = fn("ggml_backend_dev_name", ctypes.c_char_p, ctypes.c_void_p)
+desc = fn("ggml_backend_dev_description", ctypes.c_char_p, ctypes.c_void_p)
+l.llama_backend_init()
+print(l.llama_print_system_info().decode())
+for i in range(count()):
+    d = get(i)
+    print("device", name(d).decode(), desc(d).decode(), "type", kind(d))
+print("GPU devices:", sum(kind(get(i)) in (1, 2) for i in range(count())))
+PY
+  probe=$?
+  cat "$STATE/devices.txt" >> "$OUT/setup.log"
+  if [ $probe != 0 ]; then      # the probe itself failed: trust nvidia-smi (the matrix will say)
+    echo "# the device probe failed (exit $probe)" >> "$OUT/setup.log"
+    nvidia-smi -L 2>/dev/null | grep -q "^GPU" && echo "GPU devices: 1 (nvidia-smi)" >> "$STATE/devices.txt"
+  fi
+  "$VPY" -c 'import localspec._ngram_c; print("localspec C module: ok")' >> "$OUT/setup.log" 2>&1
+  if grep -q "^GPU devices: [1-9]" "$STATE/devices.txt"; then echo 1; else echo 0; fi > "$STATE/gpu"
+  echo "${GPU_LAYERS:-$(have_gpu && echo -1 || echo 0)}" > "$STATE/gpu_layers"
+  echo "# GPU: $(cat "$STATE/gpu"), layers for every step: $(layers)" >> "$OUT/setup.log"
 }
 
-run_tests() {
-  say "device tests (pytest -m device: models offloaded, tests/test_device.py)"
-  timeout "${TEST_TIMEOUT:-540}" "$VPY" -m pytest -q -p no:cacheprovider -m device \
-    tests/ > "$OUT/tests.log" 2>&1
-  local rc=$?
-  tail -25 "$OUT/tests.log" | tee -a "$OUT/run.log" >&2
-  return $rc
+tiny_model() {
+  [ -f "$MODELS/tiny.gguf" ] || "$VPY" -c "import sys; sys.path.insert(0, 'tests')
+from tinymodel import make_tiny_gguf
+make_tiny_gguf('$MODELS/tiny.gguf', seed=0, logit_scale=3.0)" >&2 || return 1
+  echo "$MODELS/tiny.gguf"
 }
 
-join_smollm2() {   # the real SmolLM2-135M, carried in two halves, into the catalog's cache
-  local dst=$LOCALSPEC_HOME/models/smollm2-135m-instruct-q4_1.gguf
-  [ -f "$dst" ] && return 0
-  [ -f .gpu/smollm2.part1 ] && [ -f .gpu2/smollm2.part2 ] || { say "no SmolLM2 halves"; return 1; }
-  mkdir -p "$(dirname "$dst")"
-  cat .gpu/smollm2.part1 .gpu2/smollm2.part2 > "$dst.tmp"
-  if [ "$(sha256sum "$dst.tmp" | cut -d' ' -f1)" = "$(cat .gpu/smollm2.sha256)" ]; then
-    mv "$dst.tmp" "$dst"
+shape_model() {   # shape_model NAME: the random-weight model of a carried spec, made once
+  local name=$1
+  [ -f ".gpu/specs/$name.spec.gguf.xz" ] || return 1
+  if [ ! -f "$MODELS/$name.gguf" ]; then
+    xz -dkc ".gpu/specs/$name.spec.gguf.xz" > "$MODELS/$name.spec.gguf" || return 1
+    echo "making the random $name" >&2
+    "$VPY" scripts/random_gguf.py make "$MODELS/$name.spec.gguf" -o "$MODELS/$name.gguf" \
+      --workdir "$MODELS" >&2 || return 1
+  fi
+  echo "$MODELS/$name.gguf"
+}
+
+join_smollm2() {   # the real SmolLM2-135M, carried in two parts, into the catalog's cache
+  [ -f "$SMOL" ] && return 0
+  [ -f .gpu/smollm2.part1 ] && [ -f .gpu2/smollm2.part2 ] || return 1
+  mkdir -p "$(dirname "$SMOL")"
+  cat .gpu/smollm2.part1 .gpu2/smollm2.part2 > "$SMOL.tmp"
+  if [ "$(sha256sum "$SMOL.tmp" | cut -d' ' -f1)" = "$(cat .gpu/smollm2.sha256)" ]; then
+    mv "$SMOL.tmp" "$SMOL"
   else
-    say "SmolLM2 halves do not join to the pinned sha256"; rm -f "$dst.tmp"; return 1
+    echo "SmolLM2 parts do not join to the pinned sha256" >&2; rm -f "$SMOL.tmp"; return 1
   fi
 }
 
-make_models() {
+step_diagnose() {
+  local tiny
+  tiny=$(tiny_model) || return 1
+  "$VPY" scripts/gpu_diagnose.py matrix "$tiny" --layers "$(layers)" --json "$OUT/diagnose.json" \
+    --budget $(( STEP_TIMEOUT - 5 )) --case-timeout "${DIAG_CASE_TIMEOUT:-40}" \
+    ${DIAG_CASES:+--cases "$DIAG_CASES"}
+  [ -f "$OUT/diagnose.json" ]      # a crashing case is a result, not a failed step
+}
+
+step_identity() {
+  local models=() m
+  m=$(shape_model smollm2-135m) && models+=("$m")
+  models+=("$(tiny_model)")
+  "$VPY" scripts/gpu_measure.py --what identity --target "${models[0]}" --also "${models[@]:1}" \
+    --gpu-layers "$(layers)" --tokens "${TOKENS:-32}" --prompts "${IDENTITY_PROMPTS:-20}" \
+    --json "$OUT/identity.json"
+}
+
+step_curve() {
+  local models=() draft=() m
+  if m=$(shape_model qwen2.5-coder-1.5b); then        # the default model's shape first
+    models+=("$m")
+    m=$(shape_model qwen2.5-coder-0.5b) && draft=(--draft "$m")
+  fi
+  m=$(shape_model smollm2-135m) && models+=("$m")
+  join_smollm2 2>/dev/null && models+=("$SMOL")
+  [ ${#models[@]} -gt 0 ] || models+=("$(tiny_model)")
+  "$VPY" scripts/gpu_measure.py --what curve,draft --target "${models[0]}" \
+    --also "${models[@]:1}" "${draft[@]}" --gpu-layers "$(layers)" --k-max "${K_MAX:-16}" \
+    --json "$OUT/curve.json"
+}
+
+step_overhead() {
+  local m
+  m=$(shape_model qwen2.5-coder-1.5b) || m=$(shape_model smollm2-135m) || m=$(tiny_model)
+  "$VPY" scripts/step_overhead.py "$m" --gpu-layers "$(layers)" --ks "${KS:-0,4,8,16}" \
+    --tokens "${OVERHEAD_TOKENS:-64}" --reps 1 --fast --profile 8 --json "$OUT/overhead.json"
+}
+
+step_bench() {
+  [ -f .gpu/smollm2.sha256 ] || { echo "skipped: the bundle holds no SmolLM2-135M"; return 4; }
+  join_smollm2 || { echo "skipped: no SmolLM2-135M yet (.gpu2/smollm2.part2 comes with call 2)"; return 3; }
+  # shellcheck disable=SC2086  # BENCH_ARGS: a list of options
+  "$VPY" -m localspec bench -m "$SMOL" --modes plain,ngram,peer --gpu-layers "$(layers)" \
+    ${BENCH_ARGS:--n 64} --json "$OUT/bench.json"
+}
+
+step_tests() {
+  have_gpu || { echo "skipped: no GPU (this build sees no GPU device)" | tee "$OUT/tests.log"; return 4; }
+  join_smollm2 || { echo "skipped: no SmolLM2-135M yet (.gpu2/smollm2.part2 comes with call 2)"; return 3; }
+  # shellcheck disable=SC2086
+  "$VPY" -m pytest -q -p no:cacheprovider -m device tests/ ${TESTS_ARGS:-} > "$OUT/tests.log" 2>&1
+}
+
+STEPS=(setup diagnose identity curve overhead bench tests)
+declare -A CAP=([setup]=480 [diagnose]=150 [identity]=90 [curve]=90 [overhead]=75 [bench]=120
+                [tests]=300)
+declare -A RESULT=([setup]=setup.log [diagnose]=diagnose.json [identity]=identity.json
+                   [curve]=curve.json [overhead]=overhead.json [bench]=bench.json [tests]=tests.log)
+
+if [ "${1:-}" = --one ]; then      # a child: one step, its output in the step's log
   mkdir -p "$MODELS"
-  for s in .gpu/specs/*.spec.gguf.xz; do
-    local name
-    name=$(basename "$s" .spec.gguf.xz)
-    [ -f "$MODELS/$name.gguf" ] && continue
-    xz -dkc "$s" > "$MODELS/$name.spec.gguf"
-    say "random $name"
-    "$VPY" scripts/random_gguf.py make "$MODELS/$name.spec.gguf" -o "$MODELS/$name.gguf" \
-      --workdir "$MODELS" 2>&1 | tee -a "$OUT/run.log" >&2
-  done
+  "step_$2"
+  exit $?
+fi
+
+run_step() {
+  local name=$1 cap left t rc status start log=$STATE/logs/$1.log
+  if [ -f "$STATE/$name.done" ] && [ -z "${FORCE:-}" ]; then return 0; fi
+  local var=${name^^}_TIMEOUT
+  cap=${!var:-${CAP[$name]}}
+  left=$(( BUDGET - ($(date +%s) - T0) ))
+  if [ "$left" -lt 25 ]; then
+    status="skipped: out of time (make the same call again)"
+    log=/dev/null
+  else
+    t=$(( cap < left - 5 ? cap : left - 5 ))
+    say "$name (timeout ${t} s)"
+    start=$(date +%s)
+    STEP_TIMEOUT=$t timeout -k 10 "$t" bash "$ROOT/scripts/gpu_run.sh" --one "$name" > "$log" 2>&1
+    rc=$?
+    case $rc in
+      0) status=ok; touch "$STATE/$name.done";;
+      3|4) status=$(grep '^skipped:' "$log" | tail -1); status=${status:-skipped}
+         [ $rc = 3 ] || touch "$STATE/$name.done";;   # 4: skipped for good, 3: until a later call
+      124|137) status="timed out after ${t} s";;
+      *) status="failed (exit $rc)"
+         if [ $rc -gt 128 ]; then status="crashed (signal $((rc - 128)), exit $rc)"; fi
+         [ "$name" = setup ] || touch "$STATE/$name.done";;
+    esac
+    status="$status, $(( $(date +%s) - start )) s"
+  fi
+  if [ "$name" = setup ]; then
+    [ -f "$OUT/setup.log" ] || cp "$log" "$OUT/setup.log"
+    echo "setup: $status" >> "$OUT/setup.log"
+    say "setup: $status"
+  else
+    say "$("$IMAGE_PYTHON" scripts/gpu_result.py "$name" "$OUT/${RESULT[$name]}" "$status" "$log")"
+  fi
+  [ "$name" != setup ] || [ -f "$STATE/setup.done" ]     # no setup, no later step
 }
 
-measure() {
-  join_smollm2
-  make_models
-  local t=$MODELS/qwen2.5-coder-1.5b.gguf smol=$LOCALSPEC_HOME/models/smollm2-135m-instruct-q4_1.gguf
-  local also=("$MODELS/smollm2-135m.gguf")
-  [ -f "$smol" ] && also+=("$smol")
-  say "curves, identity, draft cost"
-  "$VPY" scripts/gpu_measure.py --target "$t" --draft "$MODELS/qwen2.5-coder-0.5b.gguf" \
-    --also "${also[@]}" --gpu-layers "$LAYERS" --k-max "${K_MAX:-32}" \
-    --tokens "${TOKENS:-64}" --json "$OUT/measure.json" 2>&1 | tee -a "$OUT/run.log" >&2
-  say "per-step overhead: engine step vs prototype, interleaved"
-  "$VPY" scripts/step_overhead.py "$t" --gpu-layers "$LAYERS" --ks "${KS:-0,4,8,16}" \
-    --tokens "${OVERHEAD_TOKENS:-128}" --reps 3 --fast --profile 8 --json "$OUT/overhead.json" \
-    2>>"$OUT/profile.txt" | tee -a "$OUT/run.log" >&2
-  "$VPY" scripts/step_overhead.py --tiny --gpu-layers "$LAYERS" --ks "${KS:-0,4,8,16}" --reps 3 \
-    --fast --json "$OUT/overhead-tiny.json" 2>>"$OUT/profile.txt" | tee -a "$OUT/run.log" >&2
-}
-
-[ $# -gt 0 ] || { echo "usage: $0 setup|test|measure ..." >&2; exit 2; }
-status=0
-for phase in "$@"; do
-  case $phase in
-    setup) setup || { status=1; break; } ;;
-    test) run_tests || status=1 ;;
-    measure) measure || status=1 ;;
-    *) echo "unknown phase $phase" >&2; exit 2 ;;
-  esac
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=("${STEPS[@]}")
+for s in "${steps[@]}"; do
+  [ -n "${CAP[$s]:-}" ] || { echo "unknown step $s (steps: ${STEPS[*]})" >&2; exit 2; }
 done
-say "done (status $status)"
-exit $status
+say "gpu_run.sh ${steps[*]} (budget ${BUDGET} s; $(nproc) cores; OUT=$OUT)"
+for s in "${steps[@]}"; do
+  run_step "$s" || { say "setup did not finish: nothing else can run (make the same call again)"; break; }
+done
+left=()
+for s in "${STEPS[@]}"; do [ -f "$STATE/$s.done" ] || left+=("$s"); done
+if [ ${#left[@]} = 0 ]; then say "all steps done"; else say "not done yet: ${left[*]}"; fi
+cat "$STATE/run.log"

@@ -1,0 +1,88 @@
+"""What scripts/gpu_run.sh says about a step once it ended (standard library only).
+
+    python scripts/gpu_result.py STEP RESULT_FILE STATUS [LOG]
+
+Makes sure RESULT_FILE exists and says how the step ended: a JSON result gets a "status" key
+(and, unless the step ended "ok", "log_tail": the last 40 lines of the step's log); a missing JSON
+result is written as {"step", "status", "log_tail"}; a text result (tests.log) gets a last line
+"status: ...". Then prints one line for run.log: the status and the step's headline numbers
+(the diagnostic verdict, identity counts, r(k), overhead shares, bench ratios, pytest's summary).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def tail(path, n=40) -> list:
+    try:
+        return Path(path).read_text(errors="replace").splitlines()[-n:]
+    except (OSError, TypeError):
+        return []
+
+
+def headline(step: str, data) -> str:
+    """The numbers worth a glance, from a step's result; "" when there are none."""
+    try:
+        if step == "diagnose":
+            cases = ", ".join(f"{c} {r['status']}" for c, r in data.get("cases", {}).items())
+            return f"{cases}. verdict: {data.get('verdict', '')}"
+        if step == "identity":
+            return "; ".join(
+                f"{i['model']}: " + ", ".join(
+                    f"{mode} {i[mode]['identical']}/{i['prompts']} identical"
+                    + (f" (gaps {[d['top2_gap'] for d in i[mode]['diverged']]})"
+                       if i[mode]["diverged"] else "")
+                    for mode in ("ngram", "scripted-k8") if mode in i)
+                for i in data.get("identity", []))
+        if step == "curve":
+            parts = [f"{c['model']}: {c['ms_per_step']} ms/step, r(k) "
+                     + " ".join(f"{r:.2f}" for r in c["ratios"]) for c in data.get("curves", [])]
+            if data.get("draft"):
+                parts.append(f"draft {data['draft']['cost_in_target_steps']} target steps, "
+                             f"can pay: {data['draft']['draft_can_pay']}")
+            return "; ".join(parts)
+        if step == "overhead":
+            return "; ".join(f"{r['step']} k={r['k']} {r['mode']}: device {r['device_ms']:.2f} ms,"
+                             f" overhead {r['overhead_ms']:.2f} ms" for r in data.get("rows", []))
+        if step == "bench":
+            return "; ".join(f"{s['mode']} {s['geomean_ratio']}x plain, {s['decode_tps']} tok/s, "
+                             f"{s['identical']}/{s['compared']} identical"
+                             for s in data.get("summary", []) if s.get("kind") == "all")
+    except (KeyError, TypeError, AttributeError) as e:
+        return f"(result unreadable: {e!r})"
+    return ""
+
+
+def main(argv) -> int:
+    step, result, status = argv[:3]
+    log = argv[3] if len(argv) > 3 else None
+    path = Path(result)
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                data = {"result": data}
+        except (OSError, ValueError):
+            data = {"step": step}
+        data["status"] = status
+        if status != "ok":
+            data["log_tail"] = tail(log)
+        path.write_text(json.dumps(data, indent=1))
+        line = headline(step, data)
+    else:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if not text and status != "ok":
+            text = "\n".join(tail(log)) + "\n"
+        path.write_text(text + f"status: {status}\n")
+        summary = [ln for ln in text.splitlines() if ln.startswith("=") and (
+            " passed" in ln or " failed" in ln or " error" in ln or " skipped" in ln)]
+        line = summary[-1].strip("= ") if summary else ""
+    print(f"{step}: {status}" + (f"; {line}" if line else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
