@@ -331,6 +331,18 @@ def test_bad_chat_bodies_name_the_field(server, body, param):
     assert status == 400 and reply["error"]["param"] == param, reply
 
 
+def test_deeply_nested_bodies_are_400_and_the_server_goes_on(server, tiny_path):
+    nested = b'{"prompt": "a", "stop": ' + b"[" * 150 + b"]" * 150 + b"}"
+    for body in (b"[" * 5000, nested):
+        status, reply, _ = server.post("/v1/completions", body)
+        assert status == 400 and reply["error"]["code"] == "invalid_json", reply
+        assert "nested deeper than" in reply["error"]["message"]
+    r = httpx.post(server.base + "/v1/chat/completions", content=b"[" * 5000, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400
+    assert server.post("/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
+
+
 def test_harmless_openai_parameters_are_accepted(server, tiny_path):
     r = server.client().chat.completions.create(
         model=model_id(tiny_path), messages=[{"role": "user", "content": [
@@ -455,6 +467,34 @@ def test_an_empty_api_key_is_refused_before_anything_loads(tiny_path, home, key)
     err = r.stderr.decode()
     assert r.returncode == 2 and "--api-key" in err and "empty key" in err, err
     assert "serving" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("key, why", [
+    (" key", "spaces around it"), ("key\t", "spaces around it"), ("kéy", "printable ASCII"),
+    ("k\x07y", "printable ASCII"), (b"k\xffy", "not valid UTF-8"),
+])
+def test_a_key_no_client_could_send_is_refused_at_start(tiny_path, home, key, why):
+    """Accepted before, such a key then let no client in (issue 43): one line, no model load."""
+    env = {**os.environ, "LOCALSPEC_HOME": str(home)}
+    env.pop("LOCALSPEC_API_KEY", None)
+    env = {k.encode(): v.encode() for k, v in env.items()}
+    env[b"LOCALSPEC_API_KEY"] = key if isinstance(key, bytes) else key.encode()
+    r = subprocess.run([sys.executable, "-m", "localspec", "serve", "--http", "127.0.0.1:0",
+                        "-m", str(tiny_path)], capture_output=True, env=env, timeout=60)
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode in (1, 2) and why in err and "LOCALSPEC_API_KEY" in err, err
+    assert "serving" not in err and "Traceback" not in err and "llama" not in err, err
+
+
+def test_the_api_key_rule_holds_for_any_caller_of_the_server():
+    from localspec.apps.openai_api import HttpSettings, api_key_problem
+    from localspec.errors import LocalspecError
+
+    assert api_key_problem(None) is None and api_key_problem("s3cret-Key_1.~") is None
+    for bad in (" k", "k ", "é", "k\udcff", ""):
+        assert api_key_problem(bad)
+        with pytest.raises(LocalspecError):
+            HttpSettings(api_key=bad)
 
 
 def read_to_end(sock, timeout=60) -> bytes:

@@ -68,6 +68,19 @@ def test_stdio_server_answers_with_errors_and_recovers(tiny_path, tmp_path, rpc)
     assert "Traceback" not in srv.err(), srv.err()
 
 
+def test_a_deeply_nested_line_is_answered_and_the_supervisor_goes_on(tiny_path, tmp_path, rpc):
+    """The supervisor reads each line for its id: 5000 '[' ended it with exit 70 (issue 43)."""
+    srv = StdioServer(tiny_path, tmp_path, "--rpc", f"127.0.0.1:{rpc.port}")
+    try:
+        srv.send_raw(b"[" * 5000 + b"\n")
+        msg = srv.recv()
+        assert msg["id"] is None and msg["error"]["code"] == -32700, msg
+        assert "result" in srv.call("generate", {"prompt": PROMPT, "max_tokens": 4})
+        assert "Traceback" not in srv.err(), srv.err()
+    finally:
+        assert srv.close() == 0
+
+
 def test_stdio_server_that_never_served_ends_with_the_error(tiny_path, tmp_path):
     srv = StdioServer(tiny_path, tmp_path, "--rpc", f"127.0.0.1:{free_port()}")
     srv.send("generate", {"prompt": PROMPT})

@@ -185,6 +185,38 @@ def test_garbage_lines_get_errors_and_the_next_request_works(server):
     assert resp["result"]["stats"]["generated_tokens"] >= 1
 
 
+def test_deeply_nested_json_is_a_parse_error_and_the_server_goes_on(server):
+    """A line of 5000 '[' ended the server with a RecursionError (issue 43); nesting that json
+    can read but deeper than any request needs is refused the same way."""
+    deep_params = b'{"prompt": ' + b"[" * 150 + b"]" * 150 + b"}"
+    for line in (b"[" * 5000, b'{"a":' * 100_000,
+                 b'{"jsonrpc":"2.0","id":3,"method":"generate","params":' + deep_params + b"}"):
+        server.send_raw(line + b"\n")
+        msg = server.recv()
+        assert msg["id"] is None and msg["error"]["code"] == -32700, msg
+        assert "nested deeper than" in msg["error"]["message"]
+    resp = server.call("generate", {"prompt": "ok", "max_tokens": 2})
+    assert resp["result"]["stats"]["generated_tokens"] >= 1
+
+
+def test_closed_stdin_is_a_clean_exit_not_an_internal_error(tiny_path, tmp_path):
+    r = subprocess.run(["sh", "-c", 'exec "$0" -m localspec serve --stdio -m "$1" --threads 1 '
+                        "<&-", sys.executable, str(tiny_path)], capture_output=True, timeout=120,
+                       env={**os.environ, "LOCALSPEC_HOME": str(tmp_path / "home")})
+    err = r.stderr.decode()
+    assert r.returncode in (0, 1) and r.stdout == b"", (r.returncode, err)
+    assert "internal error" not in err and "Traceback" not in err, err
+
+
+def test_errors_name_the_protocols_fields_not_command_line_options(server):
+    err = server.call("generate", {"prompt": "x" * (CTX + 100), "max_tokens": 4})["error"]
+    assert "shorten 'prompt'" in err["message"] and "raise --ctx" not in err["message"], err
+    text = "alpha = 1\n\x0c\nbeta = 2\ngamma = 3\n"        # 4 lines: a form feed is not a break
+    err = server.call("rewrite", {"text": text, "instruction": "x", "region": [5, 5]})["error"]
+    assert "'region' ends at line 5" in err["message"] and "(4 lines)" in err["message"], err
+    assert "--region" not in err["message"]
+
+
 @pytest.mark.parametrize("params, field", [
     ({}, "prompt"),
     ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
@@ -252,6 +284,24 @@ def test_duplicate_id_error_does_not_carry_the_running_requests_id(server):
     server.call("cancel", {"id": rid})
     resp, _ = server.response(rid)
     assert resp["result"]["finish_reason"] in ("cancelled", "eos")
+
+
+def test_a_refused_duplicate_complete_leaves_the_running_one_alone(tiny_fim_path, tmp_path):
+    """A `complete` replaces the running completion, but one refused for reusing its id must
+    not cancel it (issue 43)."""
+    srv = Server(tiny_fim_path, tmp_path, "--ctx", "8192")
+    try:
+        rid = srv.send("complete", {"prefix": LONG_PROMPTS[0], "max_tokens": 3000})
+        assert srv.recv()["method"] == "generate/progress"       # it runs
+        srv.send("complete", {"prefix": "x", "max_tokens": 2}, id=rid)
+        msg = srv.recv()
+        while "id" not in msg:
+            msg = srv.recv()
+        assert msg["id"] is None and msg["error"]["code"] == -32600, msg
+        resp, notes = srv.response(rid)
+        assert resp["result"]["finish_reason"] != "cancelled", resp
+    finally:
+        assert srv.close() == 0
 
 
 def test_cancel_stops_a_running_generate_quickly(server):

@@ -1,6 +1,7 @@
 """Request checks shared by the front ends that take JSON (the editor protocol and the HTTP API):
-numbers in range, Unicode text, true/false flags, the sampling fields, a draft length within
-K_LIMIT, JSON without NaN/Infinity, and what a client is told about the model. Each front end
+the one JSON parser (no NaN/Infinity, bounded nesting), numbers in range, Unicode text,
+true/false flags, the sampling fields, a draft length within K_LIMIT, and what a client is told
+about the model. Each front end
 passes the exception it answers with; the rules and their messages live here once.
 """
 
@@ -15,11 +16,38 @@ from ..speculative.config import PROPOSERS
 from ..speculative.sampling import SamplingParams
 
 Fail = Callable[[str, str], Exception]    # (field, message) -> the front end's error
+MAX_DEPTH = 100     # arrays/objects inside each other; requests need ~10, recursion dies at ~1000
 
 
 def no_constants(name: str):
     """json.loads(parse_constant=...): NaN, Infinity and -Infinity are not JSON."""
     raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(data):
+    """A request's JSON (bytes or str) -> its value; ValueError (UnicodeDecodeError is one) for
+    anything that is not JSON we take: not UTF-8, NaN/Infinity, or nested deeper than MAX_DEPTH.
+    json recurses per level, so 5000 '[' would otherwise end the reading thread with a
+    RecursionError, and a value nested just below that would reach code that recurses again.
+
+    Example: parse_json(b"[" * 5000) raises ValueError("... nested deeper than 100 levels").
+    """
+    text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+    deep = ValueError(f"arrays and objects are nested deeper than {MAX_DEPTH} levels")
+    try:
+        value = json.loads(text, parse_constant=no_constants)
+    except RecursionError:
+        raise deep from None
+    stack = [(value, 1)]               # walked without recursion: the depth is the question
+    while stack:
+        node, level = stack.pop()
+        if level > MAX_DEPTH:
+            raise deep
+        children = node.values() if isinstance(node, dict) else \
+            node if isinstance(node, list) else ()
+        stack.extend((child, level + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return value
 
 
 def number_problem(v, lo=None, hi=None, integer=False, lo_open=False) -> Optional[str]:

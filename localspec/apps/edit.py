@@ -16,6 +16,7 @@ from typing import Iterator, Optional, Sequence
 from ..errors import LocalspecError
 from ..speculative.sampling import SamplingParams
 from ..speculative.stats import GenerationStats
+from .lines import split_lines
 
 SYSTEM = ("You are a careful code and text editor. Apply the user's instruction to the text "
           "and reply with the complete rewritten text only: no explanation, no commentary.")
@@ -24,6 +25,20 @@ LANGS = {".py": "python", ".js": "javascript", ".ts": "typescript", ".rs": "rust
          ".c": "c", ".h": "c", ".cpp": "cpp", ".java": "java", ".rb": "ruby", ".sh": "bash",
          ".lua": "lua", ".el": "elisp", ".md": "markdown", ".json": "json", ".toml": "toml",
          ".yaml": "yaml", ".yml": "yaml", ".html": "html", ".css": "css", ".sql": "sql"}
+
+
+@dataclass(frozen=True)
+class Wording:
+    """How an error names what its reader can change: `localspec edit`'s options, or the
+    protocol's fields (a client cannot pass -n; it can send max_tokens)."""
+
+    region: str = "--region"
+    max_tokens: str = "-n"
+    context: str = "the context (--ctx)"
+
+
+CLI = Wording()
+PROTOCOL = Wording("'region'", "'max_tokens'", "the server's context (its --ctx)")
 
 
 @dataclass(frozen=True)
@@ -45,19 +60,23 @@ def parse_region(value: str) -> Region:
     return region
 
 
-def split_region(text: str, region: Optional[Region]) -> tuple:
-    """(before, part, after) of `text`; part is the whole text without a region."""
+def split_region(text: str, region: Optional[Region], wording: Wording = CLI) -> tuple:
+    """(before, part, after) of `text`; part is the whole text without a region. Lines are
+    what '\\n' separates, as editors number them (lines.py).
+
+    Example: split_region("a\\n\\x0c\\nb\\n", Region(3, 3)) == ("a\\n\\x0c\\n", "b\\n", "").
+    """
     if region is None:
         return "", text, ""
-    lines = text.splitlines(keepends=True)
+    lines = split_lines(text)
     if region.end > len(lines):
-        raise LocalspecError(f"--region {region.start}:{region.end} is past the end of the "
+        raise LocalspecError(f"{wording.region} ends at line {region.end}, past the end of the "
                              f"text ({len(lines)} lines).")
     return ("".join(lines[:region.start - 1]), "".join(lines[region.start - 1:region.end]),
             "".join(lines[region.end:]))
 
 
-def check_edit(instruction: str, text: str, part: str) -> str:
+def check_edit(instruction: str, text: str, part: str, wording: Wording = CLI) -> str:
     """The bad inputs of a rewrite, each one line; returns the instruction stripped."""
     instruction = instruction.strip()
     if not instruction:
@@ -67,7 +86,7 @@ def check_edit(instruction: str, text: str, part: str) -> str:
         raise LocalspecError("the input contains NUL bytes: this looks like a binary file, "
                              "not text to edit.")
     if not part.strip():
-        raise LocalspecError("nothing to edit: the text (or the --region) is empty.")
+        raise LocalspecError(f"nothing to edit: the text (or the {wording.region}) is empty.")
     return instruction
 
 
@@ -112,13 +131,15 @@ def keep_newlines(original: str, rewritten: str) -> str:
     return rewritten.rstrip("\n") + "\n" * tail
 
 
-def finish(part: str, reply: str, opened: bool, stats: GenerationStats, max_tokens: int) -> str:
+def finish(part: str, reply: str, opened: bool, stats: GenerationStats, max_tokens: int,
+           wording: Wording = CLI) -> str:
     """The rewritten part, or a one-line error when the reply cannot be a whole rewrite."""
     if stats.stop_reason in ("length", "context"):
-        what = f"-n {max_tokens}" if stats.stop_reason == "length" else "the context (--ctx)"
+        what = f"{wording.max_tokens} {max_tokens}" if stats.stop_reason == "length" else \
+            wording.context
         raise LocalspecError(f"the rewrite was cut off at {stats.generated_tokens} tokens by "
                              f"{what}; nothing was written. Raise it, or edit a smaller "
-                             "--region.")
+                             f"{wording.region}.")
     if stats.stop_reason == "cancelled":
         raise LocalspecError("the rewrite was cancelled; nothing was written.")
     body = strip_reply(reply, opened)
@@ -135,9 +156,10 @@ class Rewrite:
     def __init__(self, engine, instruction: str, text: str, region: Optional[Region] = None,
                  name: str = "text", sampling: SamplingParams = SamplingParams(),
                  max_tokens: Optional[int] = None, speculate: bool = True, cancel=None,
-                 policy=None, stop: Sequence[str] = ()):
-        self.before, self.part, self.after = split_region(text, region)
-        instruction = check_edit(instruction, text, self.part)
+                 policy=None, stop: Sequence[str] = (), wording: Wording = CLI):
+        self.wording = wording
+        self.before, self.part, self.after = split_region(text, region, wording)
+        instruction = check_edit(instruction, text, self.part, wording)
         model = engine.model
         if model.chat_template() is None:
             raise LocalspecError(f"{model.path.name} has no chat template, so it cannot follow "
@@ -146,6 +168,10 @@ class Rewrite:
         rendered = model.apply_chat_template(
             build_messages(instruction, text, self.part, region, name)) + self.opening
         tokens = model.tokenize(rendered, add_special=True, parse_special=True)
+        if len(tokens) >= engine.ctx.n_ctx:
+            raise LocalspecError(f"the text and instruction are {len(tokens)} tokens but "
+                                 f"{wording.context} holds {engine.ctx.n_ctx}; rewrite a "
+                                 "shorter text or raise it.")
         if max_tokens is None:          # room for the part twice over, as the context allows
             n_part = len(model.tokenize(self.part, add_special=False))
             max_tokens = max(64, min(2 * n_part + 64, engine.ctx.n_ctx - len(tokens) - 1))
@@ -161,7 +187,7 @@ class Rewrite:
     def result(self) -> str:
         self.gen.complete()
         return finish(self.part, self.gen.text, bool(self.opening), self.gen.stats,
-                      self.max_tokens)
+                      self.max_tokens, self.wording)
 
     @property
     def stats(self) -> GenerationStats:

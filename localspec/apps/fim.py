@@ -9,7 +9,9 @@ prompt cache (whole 64-token chunks) keeps it between requests:
 
 The cursor's line goes after [MID], as the start of the middle (llama.cpp's early /infill put
 its `prompt` field there too), so typing within a line changes only the prompt's last tokens: a
-warm request re-reads those and at most one 64-token chunk before them. A new line moves text
+warm request re-reads those and at most one 64-token chunk before them. Where the cursor is
+inside a token (after a space, half a word, indentation alone), the prompt is healed (heal.py):
+its last tokens are taken off and the completion's first tokens must spell them again. A new line moves text
 from the middle into the prefix and re-reads the suffix. The n-gram proposer sees the prompt
 (buffer and chunks) plus anything cut off to fit, so code that copies nearby code drafts well.
 """
@@ -25,6 +27,8 @@ from ..errors import LocalspecError
 from ..policy.config import PolicyConfig
 from ..speculative.sampling import SamplingParams
 from ..speculative.stats import GenerationStats
+from .heal import Healed, back_up, prefill
+from .lines import head_lines, tail_lines
 
 SLACK = 8                # tokens kept free beyond prompt + max_tokens
 
@@ -54,7 +58,7 @@ class FimPrompt:
     document: str                    # text the prompt had to leave out: still worth copying
     truncated: bool
     note: str = ""
-    indent: str = ""                 # the cursor line's blanks, left out of the prompt (below)
+    start: int = 0                   # where the cursor's line begins in `tokens`: healed after
 
 
 def fim_tokens(model) -> dict:
@@ -68,29 +72,6 @@ def fim_tokens(model) -> dict:
     return found
 
 
-def _lines_tail(text: str, n: int) -> tuple:
-    """The last n lines of text (all when n <= 0) and what was cut off before them."""
-    if n <= 0:
-        return text, ""
-    cut = len(text)
-    for _ in range(n):
-        cut = text.rfind("\n", 0, cut)
-        if cut < 0:
-            return text, ""
-    return text[cut + 1:], text[:cut + 1]
-
-
-def _lines_head(text: str, n: int) -> tuple:
-    if n <= 0:
-        return text, ""
-    cut = -1
-    for _ in range(n):
-        cut = text.find("\n", cut + 1)
-        if cut < 0:
-            return text, ""
-    return text[:cut + 1], text[cut + 1:]
-
-
 def build_prompt(model, req: FimRequest, n_ctx: int) -> FimPrompt:
     """The prompt tokens for `req`, cut to fit n_ctx around the cursor: chunks go first, then
     the start of the prefix, then the end of the suffix. Raises LocalspecError (no FIM tokens;
@@ -99,13 +80,9 @@ def build_prompt(model, req: FimRequest, n_ctx: int) -> FimPrompt:
     tok = (lambda s: model.tokenize(s, add_special=False, parse_special=False) if s else [])
     nl = req.prefix.rfind("\n")
     head, line = req.prefix[:nl + 1], req.prefix[nl + 1:]
-    head, cut_pre = _lines_tail(head, req.prefix_lines + 1 if req.prefix_lines > 0 else 0)
-    suffix, cut_suf = _lines_head(req.suffix, req.suffix_lines)
-    # A cursor after indentation alone: a prompt ending in blanks splits the tokens the model
-    # knows ("    return" is not "    " + "return"), and Qwen2.5-Coder then ends the middle at
-    # once. The blanks stay out of the prompt and are taken off the front of the completion.
-    indent = line if line and not line.strip() else ""
-    pre, suf, mid = tok(head), tok(suffix), tok(line[len(indent):])
+    head, cut_pre = tail_lines(head, req.prefix_lines + 1 if req.prefix_lines > 0 else 0)
+    suffix, cut_suf = head_lines(req.suffix, req.suffix_lines)
+    pre, suf, mid = tok(head), tok(suffix), tok(line)
     extra: list = []
     if "rep" in fim:
         extra += [fim["rep"]] + tok("project\n")
@@ -121,7 +98,8 @@ def build_prompt(model, req: FimRequest, n_ctx: int) -> FimPrompt:
     if fixed > room:
         raise LocalspecError(
             f"the cursor's line alone is {fixed} tokens and the context holds {n_ctx} with "
-            f"{reserve} for the completion; shorten the line or raise --ctx.")
+            f"{reserve} for the completion; shorten the line, or give the server a larger "
+            "context (its --ctx).")
     truncated, notes = False, []       # the line limits are the client's choice, not a cut
     n_suf = min(len(suf), max(0, (room - fixed) // 4))       # suffix: up to a quarter
     n_pre = min(len(pre), room - fixed - n_suf)
@@ -137,7 +115,7 @@ def build_prompt(model, req: FimRequest, n_ctx: int) -> FimPrompt:
     left_out = cut_pre + model.detokenize(pre[:len(pre) - n_pre]) + "\n" + \
         model.detokenize(suf[n_suf:]) + cut_suf
     return FimPrompt(tokens, left_out if left_out.strip() else "", truncated, "; ".join(notes),
-                     indent)
+                     len(tokens) - len(mid))
 
 
 def _whole_lines(model, toks: list, n: int, tail: bool) -> int:
@@ -210,24 +188,17 @@ class Infill:
         self.request, self.started = req, time.perf_counter()
         self.prompt = build_prompt(engine.model, req, engine.ctx.n_ctx)
         self.truncated, self.note = self.prompt.truncated, self.prompt.note
-        self._gen = engine.generate(self.prompt.tokens, sampling, max_tokens=req.max_tokens,
-                                    document=self.prompt.document or None,
-                                    speculate=speculate, cancel=cancel, policy=policy)
+        self._gen = Healed(engine, self.prompt.tokens, self.prompt.start, sampling,
+                           max_tokens=req.max_tokens, cancel=cancel,
+                           document=self.prompt.document or None, speculate=speculate,
+                           policy=policy)
         self._rules = LineRules(req.max_lines, req.min_indent)
         self.text, self.finish_reason = "", ""
 
     def __iter__(self) -> Iterator[str]:
         limit = self.request.time_ms / 1000 if self.request.time_ms > 0 else None
-        indent, head = self.prompt.indent, ""
         try:
             for piece in self._gen:
-                if indent:                     # take the cursor's blanks off the front
-                    head += piece
-                    if len(head) < len(indent) and indent.startswith(head):
-                        continue
-                    n = next((i for i, (a, b) in enumerate(zip(head, indent)) if a != b),
-                             min(len(head), len(indent)))
-                    piece, indent = head[n:], ""
                 over = limit is not None and time.perf_counter() - self.started > limit
                 out = self._rules.feed(piece, over)
                 if out:
@@ -251,6 +222,28 @@ class Infill:
     @property
     def stats(self) -> GenerationStats:
         return self._gen.stats
+
+
+class Prefill:
+    """The protocol's `prefill`: the prompt that a completion at `req`'s cursor would read,
+    evaluated now into the KV cache (healed as the completion will be), so that the first
+    keystroke's completion finds it warm; the prompt cache keeps it when another buffer comes
+    next. It generates nothing: iterating yields no text; `.result` says what was read."""
+
+    def __init__(self, engine, req: FimRequest, cancel: Optional[threading.Event] = None):
+        started = time.perf_counter()
+        prompt = build_prompt(engine.model, req, engine.ctx.n_ctx)
+        n, _ = back_up(engine.model, prompt.tokens, prompt.start)
+        tokens = prompt.tokens[:len(prompt.tokens) - n]
+        logits, reused = prefill(engine, tokens, cancel)
+        self.result = {"prompt_tokens": len(tokens), "reused_tokens": reused,
+                       "prefill_tokens": engine.ctx.n_past - reused,
+                       "prefill_ms": round(1000 * (time.perf_counter() - started), 3),
+                       "cancelled": logits is None, "truncated": prompt.truncated,
+                       "note": prompt.note}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
 
 
 def infill(engine, req: FimRequest, sampling: SamplingParams = SamplingParams(),

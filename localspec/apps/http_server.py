@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from ..llama.rpc import attached as rpc_attached, on_lost as rpc_on_lost
 from ..speculative.engine import Engine
-from .checks import model_info, no_constants, speculation_info
+from .checks import model_info, parse_json, speculation_info
 from .http_worker import Job, Worker
 from .infill_api import infill_body, infill_chunk, parse_infill_request
 from .openai_api import (ApiError, GenRequest, HttpSettings, chunk, closing_chunks, full_response,
@@ -123,8 +123,8 @@ class Service:
         if not data.strip():
             raise ApiError(400, "the request body is empty: send a JSON object", code="invalid_json")
         try:
-            return json.loads(bytes(data), parse_constant=no_constants)
-        except (ValueError, RecursionError) as e:
+            return parse_json(bytes(data))
+        except ValueError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}",
                            code="invalid_json") from None
 

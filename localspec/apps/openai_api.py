@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
+from ..errors import LocalspecError
 from ..speculative.sampling import SamplingParams
 from ..speculative.stats import GenerationStats
 from .checks import Checks
@@ -49,6 +50,36 @@ class HttpSettings:
     max_body: int = DEFAULT_MAX_BODY     # bytes; larger request bodies are a 413
     max_queue: int = DEFAULT_QUEUE       # requests waiting behind the running one; more: 503
     model_arg: str = "default"           # how the model was named: the id clients send
+
+    def __post_init__(self):
+        problem = api_key_problem(self.api_key)
+        if problem:
+            raise LocalspecError(f"--api-key / LOCALSPEC_API_KEY: {problem}.")
+
+
+def api_key_problem(key: Optional[str]) -> Optional[str]:
+    """Why no client could ever send `key`, or None. A key travels in an HTTP header: printable
+    ASCII (a header is read as Latin-1, so a UTF-8 key arrives as other characters), and
+    without blanks around it (they are trimmed from the header). The CLI calls this to refuse
+    the option; HttpSettings refuses such a key too, so no server starts with one.
+
+    Example: api_key_problem(" k") == "the key has spaces around it, which no client sends";
+    api_key_problem(None) is None (no key: the server is open).
+    """
+    if key is None:
+        return None
+    if not key.strip():
+        return "an empty key would let no client in (or, trimmed, anyone); give a real key"
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return "the key is not valid UTF-8 text; give one of printable ASCII characters"
+    if key != key.strip():
+        return "the key has spaces around it, which no client sends; remove them"
+    if not all(" " <= ch <= "~" for ch in key):
+        return ("the key has characters other than printable ASCII, which an HTTP header does "
+                "not carry as they are; use letters, digits and punctuation")
+    return None
 
 
 def model_names(arg: str, path) -> list:

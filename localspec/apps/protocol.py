@@ -21,19 +21,21 @@ from ..errors import LocalspecError
 from ..files import internal_error_line
 from ..speculative.sampling import SamplingParams
 from ..speculative.stats import GenerationStats
-from .checks import Checks, model_info, no_constants, speculation_info
+from .checks import Checks, model_info, parse_json, speculation_info
 from .completion import COMPLETE_PARAMS, REWRITE_PARAMS, parse_complete, parse_rewrite
-from .edit import Rewrite
-from .fim import infill
+from .edit import PROTOCOL, Rewrite
+from .fim import Prefill, infill
+from .heal import Healed
 
 PROTOCOL_VERSION = 1
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR, GENERATION_ERROR = -32602, -32603, -32000
 PROGRESS = "generate/progress"     # notification method carrying streamed text
 DEFAULT_MAX_TOKENS = 256
-METHODS = ("initialize", "generate", "complete", "rewrite", "cancel", "shutdown")
+METHODS = ("initialize", "generate", "complete", "prefill", "rewrite", "cancel", "shutdown")
 GENERATE_PARAMS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
-                   "repeat_penalty", "seed", "stop", "document", "speculate", "stream", "k")
+                   "repeat_penalty", "seed", "stop", "document", "speculate", "stream", "k",
+                   "heal")
 NOTE = object()                    # the "id" of a notification: it never gets a response
 DEFERRED = object()                # a handler's result: the worker responds later
 
@@ -73,9 +75,10 @@ class Job:
     speculate: bool
     stream: bool
     fixed_k: Optional[int] = None        # draft exactly k tokens per step (None: adaptive)
-    kind: str = "generate"               # or "complete", "rewrite": then `task` runs it
+    kind: str = "generate"               # or "complete", "prefill", "rewrite": `task` runs it
     task: Optional[Callable] = None      # (engine, job, policy) -> the running task
     cancel: threading.Event = field(default_factory=threading.Event)
+    heal: bool = False                   # a raw prompt ending inside a token: heal it (heal.py)
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,11 @@ def parse_generate(rid: RequestId, params) -> Job:
         raise RpcError(INVALID_PARAMS, "'stop' must be a list of strings")
     stop = [CHECK.text(s, f"stop[{i}]") for i, s in enumerate(stop)]
     document = params.get("document")
-    return Job(rid, prompt, sampling,
+    heal = CHECK.flag(params, "heal", False)
+    if heal and not isinstance(prompt, str):
+        raise RpcError(INVALID_PARAMS, "'heal' applies to a raw 'prompt' (text that ends where "
+                                       "the completion goes on), not to 'messages'")
+    return Job(rid, prompt, sampling, heal=heal,
                max_tokens=CHECK.number(params, "max_tokens", DEFAULT_MAX_TOKENS, 1, integer=True),
                stop=stop, document=None if document is None else CHECK.text(document, "document"),
                speculate=CHECK.flag(params, "speculate", True),
@@ -128,7 +135,7 @@ def parse_task(rid: RequestId, method: str, params) -> Job:
     """Validate `complete` or `rewrite` params into a Job (docs/protocol.md)."""
     if not isinstance(params, dict):
         raise RpcError(INVALID_PARAMS, f"{method} takes params as an object")
-    allowed = COMPLETE_PARAMS if method == "complete" else REWRITE_PARAMS
+    allowed = REWRITE_PARAMS if method == "rewrite" else COMPLETE_PARAMS
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         raise RpcError(INVALID_PARAMS, f"unknown parameter '{unknown[0]}' ({method} accepts: "
@@ -138,11 +145,14 @@ def parse_task(rid: RequestId, method: str, params) -> Job:
         fim = parse_complete(CHECK, params)
         task = lambda engine, job, policy: infill(  # noqa: E731
             engine, fim, sampling, job.speculate, job.cancel, policy)
+    elif method == "prefill":               # the buffer of a later `complete`, read ahead
+        fim = parse_complete(CHECK, params)
+        task = lambda engine, job, policy: Prefill(engine, fim, job.cancel)  # noqa: E731
     else:
         rw = parse_rewrite(CHECK, params)
         task = lambda engine, job, policy: Rewrite(  # noqa: E731
             engine, rw["instruction"], rw["text"], rw["region"], rw["filename"], sampling,
-            rw["max_tokens"], job.speculate, job.cancel, policy)
+            rw["max_tokens"], job.speculate, job.cancel, policy, wording=PROTOCOL)
     return Job(rid, "", sampling, 0, [], None, speculate=CHECK.flag(params, "speculate", True),
                stream=CHECK.flag(params, "stream", True), fixed_k=CHECK.draft_length(params, "k"),
                kind=method, task=task)
@@ -153,6 +163,8 @@ def answer(job: Job, gen) -> dict:
     if job.kind == "complete":
         return {**result(gen.text, gen.stats), "finish_reason": gen.finish_reason,
                 "truncated": gen.truncated, "note": gen.note}
+    if job.kind == "prefill":
+        return gen.result
     if job.kind == "rewrite":           # the cleaned rewrite, or a LocalspecError
         return result(gen.result(), gen.stats)
     return result(gen.text, gen.stats)
@@ -165,8 +177,8 @@ def parse_envelope(line: bytes):
     -> (7, "cancel", {"id": 3}). Raises RpcError carrying the id to answer with (None if unknown).
     """
     try:
-        msg = json.loads(line.decode("utf-8"), parse_constant=no_constants)
-    except (UnicodeDecodeError, ValueError) as e:
+        msg = parse_json(line)
+    except ValueError as e:
         raise RpcError(PARSE_ERROR, f"parse error: {e}") from None
     if not isinstance(msg, dict):
         what = "batches (arrays) are not supported" if isinstance(msg, list) else \
@@ -232,7 +244,7 @@ class Server:
         if rid is NOTE and method not in ("cancel", "shutdown"):
             return True                     # other notifications are accepted and ignored
         handler = {"initialize": self._initialize, "generate": self._generate,
-                   "complete": self._task, "rewrite": self._task,
+                   "complete": self._task, "prefill": self._task, "rewrite": self._task,
                    "cancel": self._cancel, "shutdown": self._stop_request}.get(method)
         try:
             if handler is None:
@@ -256,24 +268,32 @@ class Server:
     def _generate(self, rid, params, job: Optional[Job] = None):
         job = job or parse_generate(rid, params)
         with self._lock:
-            if self._closing:
-                raise RpcError(GENERATION_ERROR, "the server is shutting down")
-            if rid in self._jobs:      # answered with id null: that id is the running one's
-                raise DuplicateId(INVALID_REQUEST, f"request id {json.dumps(rid)} is already "
-                                                   "used by an unfinished generate")
+            self._admissible(rid)
             self._jobs[rid] = job
         self._queue.put(job)
         return DEFERRED
 
     def _task(self, rid, params, method: str):
-        """A completion replaces any earlier one still queued or running (the cursor moved)."""
+        """A completion replaces any earlier one still queued or running (the cursor moved),
+        and a prefill any earlier prefill (another buffer came to the front); a completion
+        leaves a prefill to finish (it will need those rows). A refused request (a bad or
+        duplicate id, shutting down) changes nothing."""
         job = parse_task(rid, method, params)
-        if method == "complete":
-            with self._lock:
+        with self._lock:                    # the checks and the cancel as one step
+            self._admissible(rid)
+            if method in ("complete", "prefill"):
                 for other in self._jobs.values():
-                    if other.kind == "complete":
+                    if other.kind == method:
                         other.cancel.set()
-        return self._generate(rid, params, job)
+            return self._generate(rid, params, job)
+
+    def _admissible(self, rid) -> None:
+        """Raise the error a new request with this id gets, if any (call under the lock)."""
+        if self._closing:
+            raise RpcError(GENERATION_ERROR, "the server is shutting down")
+        if rid in self._jobs:          # answered with id null: that id is the running one's
+            raise DuplicateId(INVALID_REQUEST, f"request id {json.dumps(rid)} is already "
+                                               "used by an unfinished request")
 
     def _cancel(self, rid, params) -> dict:
         target = params.get("id") if isinstance(params, dict) else None
@@ -303,14 +323,20 @@ class Server:
     # -- worker ----------------------------------------------------------------------------------
     def _run(self, job: Job) -> None:
         if job.cancel.is_set():             # cancelled while queued: never started
-            return self._finish(job, result("", GenerationStats(stop_reason="cancelled")))
+            return self._finish(job, {"cancelled": True} if job.kind == "prefill" else
+                                result("", GenerationStats(stop_reason="cancelled")))
         policy = None if job.fixed_k is None else \
             replace(self.engine.config.policy, fixed_k=job.fixed_k)
         try:
             if job.task is not None:
                 gen = job.task(self.engine, job, policy)
+            elif job.heal:
+                gen = Healed(self.engine, self._tokens(job), self._text_start(), job.sampling,
+                             max_tokens=job.max_tokens, cancel=job.cancel, stop=job.stop,
+                             document=job.document, speculate=job.speculate, policy=policy)
             else:
-                gen = self.engine.generate(job.prompt, job.sampling, max_tokens=job.max_tokens,
+                gen = self.engine.generate(self._tokens(job), job.sampling,
+                                           max_tokens=job.max_tokens,
                                            stop=job.stop, document=job.document,
                                            speculate=job.speculate, cancel=job.cancel,
                                            policy=policy)
@@ -324,6 +350,25 @@ class Server:
         except Exception as e:              # a bug: say so on stderr, keep serving
             return self._finish(job, error=(INTERNAL_ERROR, _bug(e)))
         self._finish(job, done)
+
+    def _tokens(self, job: Job) -> list:
+        """The prompt's tokens, or the error a client can act on (its fields, not our flags)."""
+        tokens = self.engine.tokenize_prompt(job.prompt)
+        where = "'messages'" if isinstance(job.prompt, list) else "'prompt'"
+        if not tokens:
+            raise LocalspecError(f"the prompt is empty: {where} has no tokens for this model.")
+        n_ctx, n_train = self.engine.ctx.n_ctx, self.engine.model.n_ctx_train
+        if len(tokens) >= n_ctx:
+            raise LocalspecError(
+                f"the prompt is {len(tokens)} tokens but the server's context holds {n_ctx}; "
+                f"shorten {where}, or start the server with a larger --ctx (the model was "
+                f"trained on {n_train}).")
+        return tokens
+
+    def _text_start(self) -> int:
+        """Where a raw prompt's text begins in its tokens (after BOS)."""
+        model = self.engine.model
+        return 1 if model.add_bos and model.bos >= 0 else 0
 
     def _finish(self, job: Job, result=None, error=None) -> None:
         with self._lock:                    # from here on, cancel answers {"cancelled": false}

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Iterable, Optional
 
+from .checks import parse_json
 from .protocol import NOTE, RpcError, parse_envelope
 from .stdio import Writer
 
@@ -131,7 +132,7 @@ class StdioSupervisor:
         for raw in iter(child.stdout.readline, b""):
             line = raw.rstrip(b"\n")
             try:
-                msg = json.loads(line)
+                msg = parse_json(line)
             except ValueError:
                 msg = None
             if isinstance(msg, dict) and ("result" in msg or "error" in msg):
