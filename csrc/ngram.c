@@ -124,11 +124,10 @@ int lsng_index_init(void *mem, size_t n_bytes, const lsng_params *params, int32_
     if (!ls_block_ok(mem, n_bytes, need)) return LSNG_ERR_MEMORY;
     uint64_t slots = ls_n_slots(capacity);
     int32_t g = params->ngram_max - params->ngram_min + 1;
-    ls_layout at = layout(params, capacity);
     lsng_index *x = (lsng_index *)mem;
-    x->tokens = (int32_t *)((char *)mem + at.tokens);
-    x->prev = (int32_t *)((char *)mem + at.prev);
-    x->slots = (lsng_slot *)((char *)mem + at.slots);
+    void *slots_at;
+    ls_carve(mem, layout(params, capacity), &x->tokens, &x->prev, &slots_at);
+    x->slots = (lsng_slot *)slots_at;
     for (size_t i = 0; i < (size_t)g * (size_t)slots; i++) {
         x->slots[i].hash = 0;
         x->slots[i].last = LSNG_NONE;

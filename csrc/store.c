@@ -95,11 +95,10 @@ int lsst_init(void *mem, size_t n_bytes, const lsst_params *params, int32_t capa
     size_t need = lsst_bytes(params, capacity);
     if (!out || need == 0) return LSST_ERR_PARAMS;
     if (!ls_block_ok(mem, n_bytes, need)) return LSST_ERR_MEMORY;
-    ls_layout at = layout(params, capacity);
     lsst_store *x = (lsst_store *)mem;
-    x->tokens = (int32_t *)((char *)mem + at.tokens);
-    x->prev = (int32_t *)((char *)mem + at.prev);
-    x->slots = (int32_t *)((char *)mem + at.slots);
+    void *slots_at;
+    ls_carve(mem, layout(params, capacity), &x->tokens, &x->prev, &slots_at);
+    x->slots = (int32_t *)slots_at;
     x->params = *params;
     x->capacity = capacity;
     x->n = 0;

@@ -55,6 +55,15 @@ static inline ls_layout ls_layout_of(size_t head, int32_t g, int32_t capacity, s
     return l;
 }
 
+/* The parts of the block at `mem` (laid out as `at`): its tokens, prev chains and slots. */
+static inline void ls_carve(void *mem, ls_layout at, int32_t **tokens, int32_t **prev,
+                            void **slots)
+{
+    *tokens = (int32_t *)((char *)mem + at.tokens);
+    *prev = (int32_t *)((char *)mem + at.prev);
+    *slots = (char *)mem + at.slots;
+}
+
 /* Whether a caller's block can hold `need` bytes: large enough and 8-byte aligned. */
 static inline int ls_block_ok(const void *mem, size_t n_bytes, size_t need)
 {
