@@ -163,7 +163,9 @@ class StoreFile:
                 set_aside(self.path, e.inode, self.path.parent / ".lock")
             if not self.warned:
                 self.warned = True
-                print(refused_line("draft store", self.path, str(e), aside) +
+                stays = f" It stays: {self.path.parent} is read-only ({self.read_only})." \
+                    if self.read_only else ""
+                print(refused_line("draft store", self.path, str(e), aside) + stays +
                       " Starting an empty store.", file=sys.stderr)
             return np.zeros(0, np.int32)
         except OSError as e:
