@@ -83,7 +83,7 @@ def test_bench_settings_are_the_engine_config_every_command_builds():
         ("hybrid", 0, False, 2048)
 
 
-# -- learning: explicit per command ------------------------------------------------------------------
+# -- learning: explicit per command --------------------------------------------------------------
 
 def _edit(tiny_path, home, *extra):
     env = {**os.environ, "LOCALSPEC_HOME": str(home)}
