@@ -356,6 +356,16 @@ def test_cli_sampled_run_is_seeded_equal(tiny_path, small_workloads):
     assert "| yes" in row
 
 
+def test_cli_checks_the_context_as_every_command_does(tiny_path, small_workloads, capsys):
+    """bench's --ctx is the shared option, checked against the model before any context is
+    made (a usage error, exit 2), with --repeat-penalty and -m/--model as elsewhere."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--workloads", str(small_workloads), "--model", str(tiny_path), "--modes", "plain",
+              "--cases", "chat-hi", "--ctx", "20000", "--repeat-penalty", "1.1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "'--ctx'" in err and "2048" in err and "Traceback" not in err
+
+
 def test_plot_without_matplotlib_is_one_line_error(monkeypatch, capsys, small_workloads):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit) as exc:
