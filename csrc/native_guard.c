@@ -332,6 +332,14 @@ int lsn_guard_install(const char *report_path, int python_fd, int exit_code) {
     return 0;
 }
 
+void lsn_guard_uninstall(void) {
+    if (!g_installed)
+        return;
+    for (int i = 0; i < LSN_NSIG; i++)
+        sigaction(g_signals[i], &g_prev[i], NULL);
+    g_installed = 0;
+}
+
 void lsn_guard_set_phase(const char *phase) {
     pthread_mutex_lock(&g_phase_lock);
     int next = 1 - g_phase_cur;

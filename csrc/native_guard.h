@@ -45,6 +45,9 @@ uint64_t lsn_log_dropped(void);
    (its stack is copied into the report), or -1; exit_code: the process's exit status after a
    crash. Returns 0, or -1 if a handler could not be installed. */
 int lsn_guard_install(const char *report_path, int python_fd, int exit_code);
+/* Put back the signal handlers lsn_guard_install found (a process that must die of the bare
+   signal, e.g. the RPC server's worker, whose parent reads the signal). */
+void lsn_guard_uninstall(void);
 /* What localspec is doing now, e.g. "in llama.cpp while loading m.gguf onto CPU (try ...)":
    the crash line says it after "error: crashed (SIGSEGV) ". Copied (at most 767 bytes); safe
    to call from any thread at any time. */

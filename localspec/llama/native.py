@@ -114,6 +114,13 @@ def install_guard() -> Optional[Path]:
     return _state["report"]
 
 
+def uninstall_guard() -> None:
+    """Give the fatal signals back to the handlers found at install (the process then dies of
+    the bare signal). The abort hook stays set: rpc.py's caller clears it with ggml."""
+    lib.lsn_guard_uninstall()
+    _state["report"] = None
+
+
 def report_path() -> Optional[Path]:
     return _state["report"]
 

@@ -13,6 +13,7 @@ import sys
 from typing import Callable, Iterable, Optional
 
 from ..errors import LocalspecError
+from . import native
 from .backend import OFFLOAD_TYPES, device_handles, ggml_function
 from .rpc_watch import TIMEOUT_ENV, Watch, peers_of, timeout_s
 
@@ -85,36 +86,43 @@ def _entry(name: str, prototype):
     return prototype(addr)
 
 
-_ABORT = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_LOST_HINT = "; check that `localspec rpc-server` still runs there."
+_LOST_WAIT_MS = 10_000      # how long ggml's thread waits for the on_lost callbacks, at most
+_lost_line = [""]           # what the abort hook says before ggml's reason
 
 
-@_ABORT
-def _lost_server(message: bytes) -> None:
-    """ggml's abort hook, set while RPC servers are attached. ggml aborts the process when a
-    server dies, answers garbage or stays silent past the timeout mid-decode, with no way back
-    into Python; what it can still do is say so in one line and exit, instead of SIGABRT and a
-    debugger's backtrace."""
-    why = message.decode(errors="replace").split(": ", 1)[-1].strip()
-    if _watch is not None and _watch.interrupted:
-        sys.stderr.write(f"error: interrupted while llama.cpp used {_servers()} ({why}).\n")
-        sys.stderr.flush()
-        os._exit(130)
-    limit = f"{_watch.timeout:g} s, {TIMEOUT_ENV}" if _watch else "no timeout"
-    line = (f"lost {_servers()}: it closed the connection, answered garbage or stayed silent "
-            f"({limit}) ({why}); check that `localspec rpc-server` still runs there.")
+def _arm_lost_hook(limit: float) -> None:
+    """ggml aborts the process when a server dies, answers garbage or stays silent past the
+    timeout mid-decode, with no way back into Python. Its abort hook is C (native_guard): it
+    writes the one line prepared here (with ggml's reason), flags it, and exits 1 once the
+    watcher thread has run the on_lost callbacks (or after _LOST_WAIT_MS); after a Ctrl-C the
+    line says "interrupted" and the exit is 130. No Python runs on ggml's thread."""
+    where = f"{limit:g} s, {TIMEOUT_ENV}" if limit else "no timeout"
+    _lost_line[0] = (f"lost {_servers()}: it closed the connection, answered garbage or stayed "
+                     f"silent ({where})")
+    native.set_lost(_lost_line[0], _LOST_HINT, f"interrupted while llama.cpp used {_servers()}",
+                    _LOST_WAIT_MS)
+    ggml_function("ggml_set_abort_callback", ctypes.c_void_p, ctypes.c_void_p)(
+        native.address("lsn_abort_hook"))
+
+
+def _report_lost(why: str) -> None:
+    """On the watcher thread, once ggml's abort hook has written its line: tell the callbacks
+    (a server answers its clients), then let the hook end the process."""
+    line = f"{_lost_line[0]} ({why}){_LOST_HINT}"     # the line the hook wrote, less "error: "
     for callback in _on_lost:
         try:
             callback(line)
-        except Exception:                # nothing may stop the one line and the exit
+        except Exception:                # nothing may stop the exit
             pass
-    sys.stderr.write(f"error: {line}\n")
     sys.stderr.flush()
-    os._exit(1)
+    native.release()
 
 
 def on_lost(callback: Callable[[str], None]) -> None:
-    """Run callback(message) on ggml's thread just before a lost server ends the process: a
-    server answers its clients there (it must return within a few seconds)."""
+    """Run callback(message) on the watcher thread (a Python thread) just before a lost server
+    ends the process: a server answers its clients there (it must return within a few
+    seconds)."""
     _on_lost.append(callback)
 
 
@@ -125,7 +133,8 @@ def _servers() -> str:
 def attach(endpoints: Iterable[str]) -> None:
     """Give llama.cpp the devices of these servers, as its own --rpc does. It is process-wide:
     every model loaded afterwards puts its offloaded layers (n_gpu_layers) on them, first. A
-    server lost or silent later ends the process with one error line (_lost_server, rpc_watch)."""
+    server lost or silent later ends the process with one error line (_arm_lost_hook,
+    rpc_watch)."""
     global _watch
     endpoints = tuple(endpoints)
     limit = timeout_s() if endpoints else 0.0     # a bad LOCALSPEC_RPC_TIMEOUT: before anything
@@ -140,9 +149,9 @@ def attach(endpoints: Iterable[str]) -> None:
             raise LocalspecError(f"RPC server {endpoint} offers no device.")
         ggml_function("ggml_backend_register", None, ctypes.c_void_p)(reg)
         _attached.append(endpoint)
-        ggml_function("ggml_set_abort_callback", ctypes.c_void_p, _ABORT)(_lost_server)
+        _arm_lost_hook(limit)
         if _watch is None:
-            _watch = Watch(_servers, limit)
+            _watch = Watch(_servers, limit, _report_lost)
             _watch.start()
         _watch.add_peers(peers_of([endpoint], split_endpoint))
         _watch.secure()                  # the connection add_server made: bounded from now
@@ -173,5 +182,13 @@ def server(host: str, port: int, n_threads: int,
     if not chosen:
         raise LocalspecError("llama.cpp reports no device to serve.")
     devs = (ctypes.c_void_p * len(chosen))(*chosen)
-    return lambda: start(f"{host}:{port}".encode(), cache_dir.encode() if cache_dir else None,
-                         n_threads, len(chosen), devs)
+    clear_abort_hook = ggml_function("ggml_set_abort_callback", ctypes.c_void_p, ctypes.c_void_p)
+
+    def serve() -> None:
+        # ggml aborts on a malformed frame; the server's parent process reads that as the
+        # worker dying of SIGABRT and serves again: no crash line or report per bad client.
+        native.uninstall_guard()
+        clear_abort_hook(None)
+        start(f"{host}:{port}".encode(), cache_dir.encode() if cache_dir else None, n_threads,
+              len(chosen), devs)
+    return serve

@@ -2,8 +2,8 @@
 answering (stopped, swapped out, a network that drops packets), inside a llama.cpp call where
 Python, and so Ctrl-C, cannot run. A watcher thread, started when the first server is attached:
 - puts a receive and send timeout (LOCALSPEC_RPC_TIMEOUT seconds, default 120) on ggml's sockets
-  to the servers, so a silent server makes ggml's wait fail and end in its abort hook, which
-  rpc.py turns into one error line;
+  to the servers, so a silent server makes ggml's wait fail and end in its abort hook (C, armed
+  by rpc.py), which writes one error line; this thread then runs the on_lost callbacks;
 - takes Ctrl-C through a wakeup fd; when the main thread has not come back to Python a few
   seconds after it, it is stuck in such a call: one error line and exit 130.
 
@@ -22,6 +22,7 @@ import time
 from typing import Callable, Iterable, Optional
 
 from ..files import env_number
+from . import native
 
 TIMEOUT_ENV = "LOCALSPEC_RPC_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0
@@ -51,8 +52,10 @@ def peers_of(endpoints: Iterable[str], split: Callable[[str], tuple]) -> set:
 class Watch:
     """The watcher thread of one process (see the module's docstring)."""
 
-    def __init__(self, describe: Callable[[], str], timeout: float):
+    def __init__(self, describe: Callable[[], str], timeout: float,
+                 on_lost: Callable[[str], None]):
         self._describe = describe        # "RPC server a:1, b:2", read when a line is written
+        self._on_lost = on_lost          # called here with ggml's reason once its hook ran
         self.timeout = timeout
         self._peers: set = set()
         self._seen: set = set()          # socket inodes already looked at
@@ -88,6 +91,10 @@ class Watch:
     def _run(self) -> None:
         while True:
             self.secure()
+            why = native.lost_pending()
+            if why is not None:
+                self._on_lost(why)       # ggml's thread exits the process after this
+                return
             if self._wake_r is None:
                 time.sleep(_SCAN_S)
                 continue
@@ -133,6 +140,7 @@ class Watch:
         returns, which moves the main thread on. Still at the same instruction of the llama
         layer GRACE_S later, it is waiting on a server: end the process, nothing else can."""
         self.interrupted = True
+        native.interrupted()             # the abort hook's line says "interrupted" now
         main = threading.main_thread().ident
         before = _where(main)
         time.sleep(GRACE_S)
