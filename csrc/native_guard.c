@@ -224,8 +224,10 @@ static void dump_log_tail(int fd) {
     }
 }
 
-/* Python's stack: faulthandler's handler for `sig` writes it to python_fd; the signal it raises
- * at the end stays blocked (we exit first). Then copy that file into the report. */
+/* Python's stack, copied from python_fd into the report. faulthandler writes it there: first,
+ * when it was enabled after this guard (its handler runs, then raises the signal again into
+ * ours), or now, when it was enabled before (ours chains to it; the signal it raises at the end
+ * stays blocked, and we exit first). */
 static void python_stack(int fd, int sig) {
     int slot = -1;
     for (int i = 0; i < LSN_NSIG; i++)
@@ -293,9 +295,14 @@ static void crash(int sig, const char *what, const char *detail) {
     _exit(g_exit_code);
 }
 
+static char g_abort_reason[512];
+static volatile sig_atomic_t g_aborting;
+
 static void on_fatal_signal(int sig, siginfo_t *info, void *uctx) {
     (void)info;
     (void)uctx;
+    if (sig == SIGABRT && g_aborting)
+        crash(sig, "aborted", g_abort_reason);
     crash(sig, "crashed", signal_name(sig));
 }
 
@@ -389,8 +396,18 @@ void lsn_abort_hook(const char *message) {
     /* ggml's message is "file:line: reason"; the reason is what a user can act on */
     const char *why = message ? strstr(message, ": ") : NULL;
     why = why ? why + 2 : (message ? message : "");
-    if (!g_lost_on)
-        crash(SIGABRT, "aborted", why);
+    if (!g_lost_on) {
+        /* as abort() would, through whichever handler is first (faulthandler writes Python's
+           stack, then hands the signal to ours), with ggml's reason kept for the line */
+        size_t len = strlen(why);
+        if (len >= sizeof g_abort_reason)
+            len = sizeof g_abort_reason - 1;
+        memcpy(g_abort_reason, why, len);
+        g_abort_reason[len] = '\0';
+        g_aborting = 1;
+        raise(SIGABRT);
+        crash(SIGABRT, "aborted", g_abort_reason);   /* no handler took it (guard off) */
+    }
     size_t n = append(g_line, 0, sizeof g_line, "error: ");
     n = append(g_line, n, sizeof g_line, g_interrupted ? g_interrupted_line : g_lost_line);
     n = append(g_line, n, sizeof g_line, " (");

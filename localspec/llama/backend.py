@@ -291,7 +291,10 @@ def devices() -> list:
     out = []
     for dev, kind in device_handles():
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        memory(dev, ctypes.byref(free), ctypes.byref(total))
+        with native.phase(f"in llama.cpp while asking {(name(dev) or b'?').decode()} for its "
+                          "free memory (try LOCALSPEC_BACKEND=cpu ./install.sh)"):
+            memory(dev, ctypes.byref(free), ctypes.byref(total))
+        drain_log()
         out.append(Device((name(dev) or b"?").decode(), (desc(dev) or b"").decode(), kind,
                           free.value >> 20, total.value >> 20))
     return out
@@ -401,7 +404,9 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int,
         for slot, (pattern, ggml_type) in zip(overrides, patterns):
             slot.pattern, slot.type = pattern, ggml_type
         params.tt_overrides = overrides
-    rc = C.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    with native.phase(f"in llama.cpp while quantizing {Path(src).name}"):
+        rc = C.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    drain_log()
     if rc != 0:
         raise LocalspecError(f"llama.cpp could not quantize {src} (code {rc}).")
 

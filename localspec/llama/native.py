@@ -105,10 +105,12 @@ def install_guard() -> Optional[Path]:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         report = crash_dir() / f"localspec-native-crash-{stamp}-{os.getpid()}.txt"
         stack_file = tempfile.TemporaryFile(prefix="localspec-stack-")
-        faulthandler.enable(stack_file, all_threads=True)
+        # The guard first, then faulthandler: faulthandler keeps the guard as the handler it
+        # hands each signal on to, and puts it back when Python finalises.
         if lib.lsn_guard_install(str(report).encode(), stack_file.fileno(), CRASH_EXIT) != 0:
             stack_file.close()
             return None
+        faulthandler.enable(stack_file, all_threads=True)
         _state["guard"], _state["report"] = stack_file, report   # both live as long as the process
         set_phase(IDLE)
     return _state["report"]
