@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from localspec.apps.edit import Region, keep_newlines, parse_region, strip_reply
+from localspec.errors import LocalspecError
+from localspec.apps.edit import Region, keep_newlines, parse_region, split_region, strip_reply
+from localspec.apps.lines import head_lines, split_lines, tail_lines
 
 SOURCE = "def foo(a, b):\n    return a + b\n\n\nprint(foo(1, 2))\n"
 
@@ -51,6 +53,37 @@ def test_region_parsing():
     for bad in ("3", "7:3", "0:2", "a:b", "3-7"):
         with pytest.raises(ValueError):
             parse_region(bad)
+
+
+# -- lines are what "\n" separates, as Vim, Emacs and `wc -l` count -------------------------------
+FORM_FEED = "alpha = 1\n\x0c\nbeta = 2\ngamma = 3\n"      # issue 43's file: 4 lines
+
+
+@pytest.mark.parametrize("breaker", ["\x0c", "\x0b", "\x1c", "\x1d", "\x1e", "\x85", "\u2028",
+                                     "\u2029", "\r"])
+def test_only_newline_breaks_a_line(breaker):
+    text = f"a{breaker}b\nc\n"
+    assert split_lines(text) == [f"a{breaker}b\n", "c\n"]
+    assert split_region(text, Region(2, 2)) == (f"a{breaker}b\n", "c\n", "")
+    assert head_lines(text, 1) == (f"a{breaker}b\n", "c\n")
+    assert tail_lines(text.rstrip("\n"), 1) == ("c", f"a{breaker}b\n")
+
+
+def test_region_lines_are_the_editors_lines():
+    assert split_region(FORM_FEED, Region(4, 4)) == ("alpha = 1\n\x0c\nbeta = 2\n",
+                                                     "gamma = 3\n", "")
+    assert split_region(FORM_FEED, Region(3, 3))[1] == "beta = 2\n"
+    assert split_region("a\nb", Region(2, 2)) == ("a\n", "b", "")
+    with pytest.raises(LocalspecError, match="--region ends at line 5, past the end of the "
+                                             r"text \(4 lines\)"):
+        split_region(FORM_FEED, Region(5, 5))
+
+
+def test_a_region_past_a_form_feed_files_end_is_refused(tiny_path, tmp_path):
+    f = tmp_path / "ff.py"
+    f.write_bytes(FORM_FEED.encode())
+    one_error(run_edit("-m", str(tiny_path), "--region", "5:5", "Change the number to 99.",
+                       str(f)), "past the end of the text (4 lines)")
 
 
 # -- bad input: one line, nothing on stdout (no model is loaded for these) ----------------------

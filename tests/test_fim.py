@@ -141,6 +141,41 @@ def test_a_new_completion_cancels_the_running_one(stdio):
     assert got[new]["result"]["finish_reason"] in ("length", "eos")
 
 
+def test_prefill_warms_the_first_completion_of_a_buffer(stdio):
+    """Issue 43: the plugins send `prefill` when a buffer is entered or idle, so the first
+    keystroke's completion reads only the cursor's line, not the whole window."""
+    other = BUFFER.replace("return x", "return 2 * x")          # a buffer not seen yet
+    params = {"prefix": other + "def g(x", "suffix": "\n" + other, "max_tokens": 4,
+              "filename": "c.py"}
+    warm = stdio.call("prefill", {**params, "prefix": other + "def g("})["result"]
+    assert warm["cancelled"] is False and warm["truncated"] is False
+    assert warm["prefill_tokens"] == warm["prompt_tokens"] > 500, warm
+    st = stdio.call("complete", params)["result"]["stats"]
+    assert st["prefill_tokens"] <= 64 + 8, st                   # its last chunk and the typing
+    again = stdio.call("prefill", {**params, "prefix": other + "def g(x"})["result"]
+    assert again["reused_tokens"] >= again["prompt_tokens"] - 64 - 8, again
+    cold = stdio.call("complete", {**params, "prefix": "# new\n" + params["prefix"]})["result"]
+    assert cold["stats"]["prefill_tokens"] > 500, cold  # without it: the whole window
+
+
+def test_a_prefill_gives_way_to_a_newer_prefill_but_not_to_a_completion(stdio):
+    long = {"prefix": "z=1\n" * 800, "prefix_lines": 0, "max_tokens": 2}   # 50 chunks
+    first = stdio.send("prefill", long)
+    second = stdio.send("prefill", {**long, "prefix": "y=2\n" * 800})
+    third = stdio.send("complete", {**long, "prefix": "y=2\n" * 800 + "y"})
+    got = {}
+    while len(got) < 3:
+        msg = stdio.recv()
+        if "id" in msg:
+            got[msg["id"]] = msg["result"]
+    assert got[first]["cancelled"] is True
+    assert got[second]["cancelled"] is False
+    assert got[third]["finish_reason"] in ("length", "eos") and not got[third]["truncated"]
+    assert got[third]["stats"]["prefill_tokens"] <= 64 + 8, got[third]
+    err = stdio.call("prefill", {"suffix": "x"})["error"]
+    assert err["code"] == -32602 and "'prefix' is required" in err["message"]
+
+
 @pytest.mark.parametrize("params, message", [
     ({"suffix": "x"}, "'prefix' is required"),
     ({"prefix": "a\x00b"}, "NUL characters"),

@@ -11,7 +11,9 @@
 ;; restarted after it dies.  Commands:
 ;;   `localspec-complete'   fill-in-the-middle at point, shown as an overlay; TAB accepts it,
 ;;                          C-c C-l (`localspec-accept-line') its first line, typing on drops it.
-;;   `localspec-mode'       completes after each pause in typing (`localspec-idle-delay').
+;;   `localspec-mode'       completes after each pause in typing (`localspec-idle-delay'), and
+;;                          reads the buffer ahead when Emacs is idle in it
+;;                          (`localspec-prefill-delay'), so the first completion there is warm.
 ;;   `localspec-rewrite'    rewrite the region as an instruction says, streamed in, one undo
 ;;                          step; C-g (or `localspec-cancel') stops it and puts the text back.
 ;;   `localspec-ask'        a question about the buffer, answered in *localspec*.
@@ -39,6 +41,10 @@
   "Past this, a completion ends at its next line end (0: off)." :type 'integer)
 (defcustom localspec-prefix-lines 256 "Lines before point sent with a completion." :type 'integer)
 (defcustom localspec-suffix-lines 64 "Lines after point sent with a completion." :type 'integer)
+(defcustom localspec-prefill-delay 1.0
+  "Idle seconds before `localspec-mode' reads the buffer ahead (nil: never).
+The server then holds the buffer, and the first completion typed in it is warm."
+  :type '(choice (const nil) number))
 (defcustom localspec-rewrite-max-tokens nil
   "Tokens per rewrite at most (nil: room for the text twice over)."
   :type '(choice (const nil) integer))
@@ -51,6 +57,9 @@
 (defvar localspec--overlay nil)
 (defvar localspec--completion-id nil)
 (defvar localspec--timer nil)
+(defvar localspec--prefill-timer nil)
+(defvar localspec--prefilled nil "What the last prefill was for: (buffer tick line).")
+(defvar localspec-last-prefill nil "The result of the last prefill.")
 (defvar localspec-last-stats nil "Statistics of the last finished request.")
 (defvar localspec-last-result nil "The text of the last finished rewrite.")
 (defvar-local localspec--noted nil "This buffer's cut to the context was reported.")
@@ -196,26 +205,47 @@ HANDLERS are :progress, :done and :error functions."
   "Point of the line COUNT lines from FROM, FORWARD or back."
   (save-excursion (goto-char from) (forward-line (if forward count (- count))) (point)))
 
-(defun localspec-complete ()
-  "Ask for a completion at point; it shows as an overlay when it arrives."
-  (interactive)
-  (let* ((buf (current-buffer)) (pt (point)) (tick (buffer-chars-modified-tick))
-         (indent (current-indentation))
+(defun localspec--params ()
+  "The `complete' params for point.
+Lines are what \\n separates, as Emacs and the server count them."
+  (let* ((pt (point)) (indent (current-indentation))
          (prefix (buffer-substring-no-properties
                   (localspec--lines (line-beginning-position) localspec-prefix-lines nil) pt))
          (suffix (buffer-substring-no-properties
                   pt (save-excursion (goto-char pt) (forward-line localspec-suffix-lines)
                                      (line-end-position)))))
+    `((prefix . ,prefix) (suffix . ,suffix)
+      (filename . ,(if buffer-file-name (file-name-nondirectory buffer-file-name)
+                     (buffer-name)))
+      (max_tokens . ,localspec-max-tokens) (max_lines . ,localspec-max-lines)
+      (time_budget_ms . ,localspec-time-budget-ms)
+      ,@(and (> indent 0) `((min_indent . ,indent))))))
+
+(defun localspec-prefill ()
+  "Read the buffer ahead at point, so that the first completion here is warm.
+Sent once per buffer state and line; `localspec-mode' calls it when idle."
+  (interactive)
+  (let ((key (list (current-buffer) (buffer-chars-modified-tick) (line-number-at-pos))))
+    (unless (equal key localspec--prefilled)
+      (setq localspec--prefilled key)
+      (localspec-request "prefill" (localspec--params)
+                         :done (lambda (r) (setq localspec-last-prefill r))
+                         :error #'ignore))))     ; no FIM tokens: completion will say so
+
+(defvar localspec-mode)
+
+(defun localspec--idle-prefill ()
+  (when (and localspec-mode (not buffer-read-only)) (localspec-prefill)))
+
+(defun localspec-complete ()
+  "Ask for a completion at point; it shows as an overlay when it arrives."
+  (interactive)
+  (let* ((buf (current-buffer)) (pt (point)) (tick (buffer-chars-modified-tick)))
     (localspec-clear)
     (setq localspec--completion-id
           (localspec-request
            "complete"
-           `((prefix . ,prefix) (suffix . ,suffix)
-             (filename . ,(if buffer-file-name (file-name-nondirectory buffer-file-name)
-                            (buffer-name)))
-             (max_tokens . ,localspec-max-tokens) (max_lines . ,localspec-max-lines)
-             (time_budget_ms . ,localspec-time-budget-ms) (stream . :false)
-             ,@(and (> indent 0) `((min_indent . ,indent))))
+           (append (localspec--params) '((stream . :false)))
            :done (lambda (r)
                    (setq localspec-last-stats (alist-get 'stats r))
                    (when (and (alist-get 'truncated r) (buffer-live-p buf)
@@ -256,7 +286,11 @@ HANDLERS are :progress, :done and :error functions."
   "Complete at point with localspec after each pause in typing."
   :lighter " LS"
   (if localspec-mode
-      (add-hook 'after-change-functions #'localspec--after-change nil t)
+      (progn
+        (add-hook 'after-change-functions #'localspec--after-change nil t)
+        (when (and localspec-prefill-delay (not localspec--prefill-timer))
+          (setq localspec--prefill-timer
+                (run-with-idle-timer localspec-prefill-delay t #'localspec--idle-prefill))))
     (remove-hook 'after-change-functions #'localspec--after-change t)
     (localspec-clear)))
 

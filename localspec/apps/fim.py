@@ -235,11 +235,11 @@ class Prefill:
         prompt = build_prompt(engine.model, req, engine.ctx.n_ctx)
         n, _ = back_up(engine.model, prompt.tokens, prompt.start)
         tokens = prompt.tokens[:len(prompt.tokens) - n]
-        logits, reused = prefill(engine, tokens, cancel)
-        self.result = {"prompt_tokens": len(tokens), "reused_tokens": reused,
-                       "prefill_tokens": engine.ctx.n_past - reused,
+        read = prefill(engine, tokens, cancel)
+        self.result = {"prompt_tokens": len(tokens), "reused_tokens": read.reused,
+                       "prefill_tokens": read.evaluated, "reuse_source": read.source,
                        "prefill_ms": round(1000 * (time.perf_counter() - started), 3),
-                       "cancelled": logits is None, "truncated": prompt.truncated,
+                       "cancelled": read.logits is None, "truncated": prompt.truncated,
                        "note": prompt.note}
 
     def __iter__(self) -> Iterator[str]:

@@ -26,8 +26,9 @@ from __future__ import annotations
 import bisect
 import random
 import threading
+import time
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
@@ -105,23 +106,40 @@ def back_up(model, tokens: Sequence[int], start: int) -> tuple:
     return n, removed
 
 
-def prefill(engine, tokens: Sequence[int], cancel: Optional[threading.Event] = None) -> tuple:
+@dataclass
+class Prefilled:
+    """What prefill() read: `logits` after the tokens [n_vocab] float32 (a view; None when
+    cancelled), rows `reused` from `source` ("context", "ram", "disk" or ""), and the cost."""
+
+    logits: Optional[np.ndarray]
+    reused: int
+    evaluated: int
+    source: str
+    restore_ms: float
+    ms: float
+
+
+def prefill(engine, tokens: Sequence[int], cancel: Optional[threading.Event] = None) -> Prefilled:
     """Evaluate `tokens` as the engine's own prefill does (a saved state restored first, then
-    the grid), leaving them in its KV cache. Returns (the logits row after them [n_vocab]
-    float32, a view, or None when `cancel` was set between two chunks; the rows reused)."""
-    if engine.cache is not None:
-        engine.cache.prepare(engine.ctx, list(tokens), PREFILL_GRID)
-    return engine.ctx.sync(list(tokens), stop=cancel, grid=PREFILL_GRID)
+    the grid), leaving them in its KV cache."""
+    start = time.perf_counter()
+    reuse = engine.cache.prepare(engine.ctx, list(tokens), PREFILL_GRID) \
+        if engine.cache is not None else None
+    logits, reused = engine.ctx.sync(list(tokens), stop=cancel, grid=PREFILL_GRID)
+    return Prefilled(logits, reused, engine.ctx.n_past - reused,
+                     (reuse.source if reuse else "context") if reused else "",
+                     reuse.restore_ms if reuse else 0.0, 1000 * (time.perf_counter() - start))
 
 
-def choose(engine, prompt: Sequence[int], removed: bytes, sampling: SamplingParams,
-           cancel: Optional[threading.Event] = None) -> list:
-    """The healed tokens: sampled after `prompt` (backed up) until their text covers `removed`
-    and ends on a whole UTF-8 character; [] when cancelled (or when nothing could be allowed,
-    which a real vocabulary never gives: the removed tokens themselves are allowed)."""
+def choose(engine, read: Prefilled, prompt: Sequence[int], removed: bytes,
+           sampling: SamplingParams, cancel: Optional[threading.Event] = None) -> list:
+    """The healed tokens: sampled after `prompt` (backed up, `read` into the KV cache) until
+    their text covers `removed` and ends on a whole UTF-8 character; [] when cancelled (or
+    when nothing could be allowed, which a real vocabulary never gives: the removed tokens
+    themselves are allowed)."""
     model, vocab = engine.model, Vocabulary.of(engine.model)
     stream = PositionStream(sampling.seed ^ HEAL_SALT)
-    logits = prefill(engine, prompt, cancel)[0]
+    logits = read.logits
     chosen: list = []
     text = b""
     for i in range(len(removed) + 4):        # each token writes >= 1 byte; <= 3 to end a char
@@ -165,9 +183,11 @@ class Healed:
         tokens = list(tokens)
         n, removed = back_up(engine.model, tokens, start)
         self.removed, self.healed, self.lead = removed.decode("utf-8", "replace"), [], ""
+        self.read: Optional[Prefilled] = None
         if n:
             prompt = tokens[:-n]
-            self.healed = choose(engine, prompt, removed, sampling, cancel)
+            self.read = prefill(engine, prompt, cancel)
+            self.healed = choose(engine, self.read, prompt, removed, sampling, cancel)
             if self.healed:
                 text = b"".join(engine.model.token_piece(t) for t in self.healed)
                 self.lead = text[len(removed):].decode("utf-8")
@@ -178,15 +198,31 @@ class Healed:
         self.text = ""
 
     def __iter__(self) -> Iterator[str]:
-        if self.lead:
-            self.text += self.lead
-            yield self.lead
-        for piece in self.gen:
-            self.text += piece
-            yield piece
+        try:
+            if self.lead:
+                self.text += self.lead
+                yield self.lead
+            for piece in self.gen:
+                self.text += piece
+                yield piece
+        finally:
+            self.close()
 
     def close(self) -> None:
+        """End the engine's generation; the stats then count this request's first prefill
+        (the backed-up prompt, reused from where it was) and its own re-read of the last chunk
+        with the healed tokens: prefill_tokens may exceed prompt_tokens - reused_tokens by up
+        to one 64-token chunk."""
         self.gen.close()
+        read, self.read = self.read, None
+        if read is not None:
+            st = self.gen.stats
+            st.prefill_tokens += read.evaluated + max(0, len(self.healed) - 1)
+            st.reused_tokens = read.reused
+            st.reused_by_source = {read.source: read.reused} if read.reused else {}
+            st.restore_ms = read.restore_ms
+            st.prefill_ms += read.ms
+            st.total_ms += read.ms
 
     @property
     def stats(self):

@@ -101,6 +101,40 @@ function scenarios.cancel()
   })
 end
 
+function scenarios.formfeed()
+  -- a form feed is a character of line 2, not a line break: line 3 is "beta = 2" (issue 43)
+  api.nvim_buf_set_lines(0, 0, -1, false, { "alpha = 1", "\12", "beta = 2", "gamma = 3" })
+  vim.cmd("3LocalspecRewrite make it longer")
+  run({
+    { "the rewrite ends", function() return S.rewrite == nil and #messages > 0 end, function()
+      out.lines = lines()
+      out.result = S.last_result
+    end },
+  })
+end
+
+function scenarios.prefill()
+  local body = {}
+  for i = 1, 20 do
+    table.insert(body, "def f" .. i .. "(x):")
+    table.insert(body, "    return x + " .. i)
+  end
+  table.insert(body, "def g")
+  api.nvim_buf_set_lines(0, 0, -1, false, body)
+  api.nvim_win_set_cursor(0, { #body, 4 })
+  vim.cmd("doautocmd BufEnter")                     -- as entering the buffer does
+  run({
+    { "the buffer is read ahead", function() return S.last_prefill ~= nil end, function()
+      out.prefill = S.last_prefill
+      keys("A(x")
+    end },
+    { "ghost text appears", function() return ls.ghost_text() ~= nil end, function()
+      out.stats = S.last_stats
+      keys("<Esc>")
+    end },
+  })
+end
+
 function scenarios.missing()
   api.nvim_buf_set_lines(0, 0, -1, false, { "x = 1" })
   out.complete_ok = pcall(ls.complete)

@@ -41,8 +41,8 @@ def test_a_rewrite_puts_the_servers_text_in_the_buffer_as_one_undo_step(editor_e
 
 
 def test_c_g_cancels_a_long_rewrite_and_puts_the_text_back(editor_env):
-    out = run_emacs(editor_env, "cancel", LOCALSPEC_TEST_CTX="32768",
-                    LOCALSPEC_TEST_REWRITE_MAX="30000")
+    out = run_emacs(editor_env, "cancel", LOCALSPEC_TEST_CTX="16384",
+                    LOCALSPEC_TEST_REWRITE_MAX="16000")
     assert out["streamed"] and out["during"] != "a = 1\nprompt 54: eeeee\nc = 3\n"
     assert out["binding"] == "localspec-cancel"
     assert out["text"] == "a = 1\nprompt 54: eeeee\nc = 3\n"
@@ -54,3 +54,18 @@ def test_a_missing_executable_is_a_message_not_a_backtrace(editor_env):
     assert out["complete_ok"] is True and out["rewrite_ok"] is True and out["text"] == "x = 1\n"
     assert out["messages"] and all("`/nonexistent/localspec' was not found" in m
                                    for m in out["messages"])
+
+
+def test_a_form_feed_does_not_shift_the_rewritten_lines(editor_env):
+    """Lines are what "\\n" separates on both sides: line 3 is "beta = 2", not the empty piece
+    after the form feed that str.splitlines made of it (issue 43)."""
+    out = run_emacs(editor_env, "formfeed")
+    assert any("rewrote 1 lines" in m for m in out["messages"]), out["messages"]
+    assert out["text"] == "alpha = 1\n\x0c\n" + out["result"] + "gamma = 3\n"
+
+
+def test_idle_reads_the_buffer_ahead_so_the_first_completion_is_warm(editor_env):
+    out = run_emacs(editor_env, "prefill")       # (Emacs reads JSON false as nil: null)
+    assert not out["prefill"]["cancelled"] and out["prefill"]["prefill_tokens"] > 500
+    st = out["stats"]             # the cursor's line and the chunk before it, twice at most
+    assert st["reused_tokens"] > 500 and st["prefill_tokens"] < 2 * (64 + 16), st

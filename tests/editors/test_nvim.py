@@ -42,8 +42,8 @@ def test_a_rewrite_puts_the_servers_text_in_the_buffer_as_one_undo_step(editor_e
 
 
 def test_cancel_stops_a_long_rewrite_and_restores_the_lines(editor_env):
-    out = run_nvim(editor_env, "cancel", LOCALSPEC_TEST_CTX="32768",
-                   LOCALSPEC_TEST_REWRITE_MAX="30000")
+    out = run_nvim(editor_env, "cancel", LOCALSPEC_TEST_CTX="16384",
+                   LOCALSPEC_TEST_REWRITE_MAX="16000")
     assert out["during"] != ["a = 1", "prompt 54: eeeee", "c = 3"]      # it was streaming
     assert out["lines"] == ["a = 1", "prompt 54: eeeee", "c = 3"]
     assert [m["msg"] for m in out["messages"]] == \
@@ -56,3 +56,19 @@ def test_a_missing_executable_is_a_message_not_a_backtrace(editor_env):
     msgs = [m["msg"] for m in out["messages"]]
     assert msgs and all("'/nonexistent/localspec' was not found" in m for m in msgs)
     assert not any("stack traceback" in m or ".lua:" in m for m in msgs)
+
+
+def test_a_form_feed_does_not_shift_the_rewritten_lines(editor_env):
+    """Lines are what "\\n" separates on both sides: :3LocalspecRewrite rewrites "beta = 2",
+    not the empty piece after the form feed that str.splitlines made of it (issue 43)."""
+    out = run_nvim(editor_env, "formfeed")
+    assert any("rewrote 1 lines" in m["msg"] for m in out["messages"]), out["messages"]
+    assert out["lines"] == ["alpha = 1", "\x0c"] + out["result"].rstrip("\n").split("\n") + \
+        ["gamma = 3"]
+
+
+def test_entering_a_buffer_reads_it_ahead_so_the_first_completion_is_warm(editor_env):
+    out = run_nvim(editor_env, "prefill")
+    assert out["prefill"]["cancelled"] is False and out["prefill"]["prefill_tokens"] > 500
+    st = out["stats"]             # the cursor's line and the chunk before it, twice at most
+    assert st["reused_tokens"] > 500 and st["prefill_tokens"] < 2 * (64 + 16), st

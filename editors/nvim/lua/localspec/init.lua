@@ -3,7 +3,9 @@
 --   require("localspec").setup({ model = "default" })
 -- Commands: :LocalspecRewrite {instruction} (on a range), :LocalspecAsk {question},
 -- :LocalspecCancel, :LocalspecStats, :LocalspecToggle. Insert mode: <Tab> accepts the ghost
--- text, <S-Tab> its first line.
+-- text, <S-Tab> its first line. Entering a buffer, or leaving the cursor still in normal mode,
+-- reads the buffer ahead (`prefill`), so that the first completion there is warm.
+-- Line numbers are Neovim's own (what "\n" separates), as the server counts them.
 
 local M = {}
 local api, fn = vim.api, vim.fn
@@ -13,6 +15,7 @@ M.config = {
   model = nil,              -- -m MODEL (nil: the server's default)
   args = {},                -- more `serve` arguments, e.g. { "--threads", "2" }
   auto = true,              -- complete as you type
+  prefill = true,           -- read a buffer ahead when it is entered or the cursor rests
   debounce_ms = 150,
   max_tokens = 64,
   max_lines = 8,            -- lines of ghost text at most
@@ -31,6 +34,8 @@ local S = {
   job = nil, buf = "", next_id = 0, pending = {}, stderr = {},
   ghost = nil,        -- { buf, row, col, lines }
   fim_id = nil, timer = nil, rewrite = nil, ring = {}, last_stats = nil, noted = {},
+  prefilled = nil,    -- what the last prefill was for: "buf:changedtick:row"
+  last_prefill = nil, -- its result
 }
 
 local function notify(msg, level)
@@ -178,8 +183,8 @@ local function ring_chunks()
   return #out > 0 and out or nil       -- an empty Lua table would encode as {}
 end
 
--- Ask for a completion at the cursor (insert mode); an earlier one is cancelled by the server.
-function M.complete()
+-- The `complete` params for the cursor in the current window: buf, row, col, params.
+local function cursor_params()
   local buf = api.nvim_get_current_buf()
   local pos = api.nvim_win_get_cursor(0)
   local row, col = pos[1] - 1, pos[2]
@@ -192,15 +197,35 @@ function M.complete()
   for i = row + 2, math.min(#lines, row + 1 + M.config.suffix_lines) do
     table.insert(after, lines[i])
   end
-  local tick = api.nvim_buf_get_changedtick(buf)
   local indent = #(cur:match("^%s*") or "")
-  S.fim_id = M.request("complete", {
+  return buf, row, col, {
     prefix = table.concat(before, "\n"), suffix = table.concat(after, "\n"),
     extra = ring_chunks(), filename = fn.fnamemodify(api.nvim_buf_get_name(buf), ":t"),
     max_tokens = M.config.max_tokens, max_lines = M.config.max_lines,
     time_budget_ms = M.config.time_budget_ms, min_indent = indent > 0 and indent or nil,
-    stream = false,
-  }, {
+  }
+end
+
+-- Read the buffer ahead at the cursor (`prefill`), once per buffer state and cursor line, so
+-- that the first completion typed there finds the buffer in the server's cache.
+function M.prefill()
+  if vim.bo.buftype ~= "" then return end
+  local buf, row, _, params = cursor_params()
+  local key = buf .. ":" .. api.nvim_buf_get_changedtick(buf) .. ":" .. row
+  if key == S.prefilled then return end
+  S.prefilled = key
+  M.request("prefill", params, {
+    on_done = function(r) S.last_prefill = r end,
+    on_error = function() end,          -- a model without FIM tokens: completion will say so
+  })
+end
+
+-- Ask for a completion at the cursor (insert mode); an earlier one is cancelled by the server.
+function M.complete()
+  local buf, row, col, params = cursor_params()
+  local tick = api.nvim_buf_get_changedtick(buf)
+  params.stream = false
+  S.fim_id = M.request("complete", params, {
     on_done = function(r)
       S.last_stats = r.stats
       if r.truncated and not S.noted[buf] then   -- once per buffer: it holds while typing
@@ -370,6 +395,9 @@ function M.setup(opts)
     M.clear()
   end })
   api.nvim_create_autocmd("BufLeave", { group = group, callback = ring_buffer_chunk })
+  api.nvim_create_autocmd({ "BufEnter", "CursorHold" }, { group = group, callback = function()
+    if M.config.auto and M.config.prefill then M.prefill() end
+  end })
   api.nvim_create_autocmd("TextYankPost", { group = group, callback = function()
     ring_add("yank", table.concat(vim.v.event.regcontents or {}, "\n") .. "\n")
   end })
