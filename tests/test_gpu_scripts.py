@@ -3,14 +3,19 @@ the engine correctly, on the tiny model and the CPU: a device session gets few t
 broken by an engine change must fail here first. Also the CPU kernel probe beside them
 (scripts/tiled_crossover.py), whose child processes must keep loading a model. Only what the
 scripts decide is checked (identity, step counts, the prototype swapped in and out); their
-timings are not."""
+timings are not. And the offline recipe's own scripts: the bundle's arithmetic (gpu_plan.py),
+the diagnostic matrix and its verdict (gpu_diagnose.py), the step results (gpu_result.py); the
+whole recipe is rehearsed in tests/test_gpu_rehearsal.py."""
 
 from __future__ import annotations
 
 import doctest
 import importlib.util
+import json
 import sys
 from pathlib import Path
+
+import pytest
 
 import localspec.speculative.engine
 from localspec.speculative.step import step
@@ -95,3 +100,103 @@ def test_tiled_crossover_times_both_settings_in_their_own_processes(tiny_path, c
     # the table's arithmetic: off/on of a size over the median off/on of the sizes under 8
     pair = ({1: 2.0, 2: 4.0, 4: 8.0, 8: 10.0}, {1: 1.0, 2: 2.2, 4: 4.0, 8: 4.0})
     assert tc.table([pair], [1, 2, 4, 8])[3] == (8, 10.0, 4.0, [0.8])
+
+
+# ---- the offline GPU recipe's own scripts (scripts/gpu_plan.py, gpu_diagnose.py, gpu_result.py)
+
+
+def test_gpu_plan_requirements_cover_the_offline_install():
+    plan = load("gpu_plan")
+    names = {plan.req_name(r) for r in plan.requirements()}
+    # localspec's dependencies, both extras (llm is the one issue 41 found missing) and the build
+    assert {"numpy", "cffi", "click", "starlette", "uvicorn", "pytest", "gguf", "scipy",
+            "hypothesis", "openai", "httpx", "llm", "setuptools", "wheel"} <= names
+    assert "llama-cpp-python" not in names           # built on the machine from the sdist
+    sdists = sorted(Path.home().glob(".cache/localspec/sdist/llama_cpp_python-0.3.36.tar.gz"))
+    if sdists:                                       # its dependencies and build requirement too
+        names = {plan.req_name(r) for r in plan.requirements(sdist=str(sdists[0]))}
+        assert {"diskcache", "jinja2", "typing-extensions", "scikit-build-core"} <= names
+
+
+def test_gpu_plan_split_carries_what_the_image_lacks():
+    plan = load("gpu_plan")
+
+    def item(name, version, fname):
+        return {"metadata": {"name": name, "version": version},
+                "download_info": {"url": f"file:///cache/{fname}"}}
+    report = {"install": [item("llm", "0.36", "llm-0.36-py3-none-any.whl"),
+                          item("NumPy", "2.5.5", "numpy-2.5.5-cp312.whl"),
+                          item("typing_extensions", "4.16.0", "typing_extensions-4.16.0.whl"),
+                          item("python-ulid", "4.1.0", "python_ulid-4.1.0.whl")]}
+    carry, provided = plan.split(report, {"numpy", "typing-extensions", "click"})
+    # typing-extensions is in the image but carried anyway (its version matters)
+    assert carry == ["llm-0.36-py3-none-any.whl", "python_ulid-4.1.0.whl",
+                     "typing_extensions-4.16.0.whl"]
+    assert provided == ["numpy==2.5.5 numpy-2.5.5-cp312.whl"]
+    image = plan.image_names(SCRIPTS / "gpu_image_packages.txt")
+    assert {"numpy", "scipy", "pytest", "click", "jinja2", "cmake", "scikit-build-core"} <= image
+    assert not {"llm", "cffi", "gguf", "openai", "sqlite-utils"} & image
+
+
+def test_gpu_plan_halves_fill_call_one_first():
+    plan = load("gpu_plan")
+    mib = 2 ** 20
+    p1, p2 = plan.halves(98 * mib, 14 * mib, 4 * mib, 64 * mib, 2 * mib)
+    assert p1 == 48 * mib and p2 == 50 * mib            # call 1 full to the margin
+    assert plan.halves(10 * mib, 14 * mib, 4 * mib, 64 * mib, 2 * mib) == (10 * mib, 0)
+    for fixed1, fixed2 in ((62 * mib, 4 * mib), (14 * mib, 30 * mib)):
+        with pytest.raises(ValueError):
+            plan.halves(98 * mib, fixed1, fixed2, 64 * mib, 2 * mib)
+    assert plan.tree_bytes() > 100_000                   # this checkout, as a call sends it
+
+
+def test_gpu_diagnose_names_the_case_that_crashes():
+    dg = load("gpu_diagnose")
+    assert dg.classify(0, "", False) == "ok" and dg.classify(None, "", True) == "hung"
+    assert dg.classify(-11, "", False) == "crashed (SIGSEGV)"
+    assert dg.classify(139, "", False) == "crashed (SIGSEGV)" and dg.classify(1, "", False) == \
+        "failed (exit 1)"
+    ok = {"status": "ok", "stage": "exit"}
+    seg = {"status": "crashed (SIGSEGV)", "stage": "llama_model_load_from_file (n_gpu_layers -1)"}
+    base = {c: ok for c in dg.CASES}
+    assert dg.verdict(base).startswith("no case crashed")
+    v = dg.verdict(dict(base, door=seg, **{"raw-logcb": seg, "raw-all": seg}))
+    assert "raw-logcb (a Python log callback" in v and "door crashed (SIGSEGV)" in v
+    v = dg.verdict(dict(base, door=seg))
+    assert "no raw case crashes: the cause is elsewhere in the door" in v
+    assert dg.verdict(dict(base, control=seg)).startswith("llama_cpp.Llama itself fails")
+    v = dg.verdict(dict(base, raw=seg, door=seg, **{"raw-intmax": ok}))
+    assert "the bare low-level load fails" in v and "0x7FFFFFFF" in v
+    assert "raw-freed" in dg.verdict(dict(base, **{"raw-freed": seg}))
+
+
+def test_gpu_diagnose_matrix_runs_each_case_in_a_child(tiny_path, tmp_path):
+    dg = load("gpu_diagnose")
+    out = dg.matrix(str(tiny_path), 0, 4, ["control", "raw", "raw-logcb", "raw-freed"], 60, 120,
+                    0, tmp_path / "d.json")
+    assert json.loads((tmp_path / "d.json").read_text())["cases"].keys() == out["cases"].keys()
+    for case in ("control", "raw", "raw-logcb"):
+        assert out["cases"][case]["status"] == "ok", out["cases"][case]
+        assert out["cases"][case]["stdout"][-1].startswith(f"OK {case}: ")
+    # the raw cases decode the same greedy tokens, with or without the Python log callback
+    assert out["cases"]["raw"]["stdout"][-1][8:] == out["cases"]["raw-logcb"]["stdout"][-1][14:]
+    assert out["cases"]["raw-freed"]["stage"].startswith(("exit", "generator finally"))
+
+
+def test_gpu_result_writes_a_stub_for_a_step_that_left_none(tmp_path, capsys):
+    gr = load("gpu_result")
+    log = tmp_path / "identity.log"
+    log.write_text("loading\nSegmentation fault\n")
+    gr.main(["identity", str(tmp_path / "identity.json"), "crashed (signal 11, exit 139)",
+             str(log)])
+    data = json.loads((tmp_path / "identity.json").read_text())
+    assert data["status"].startswith("crashed") and data["log_tail"][-1] == "Segmentation fault"
+    (tmp_path / "curve.json").write_text(json.dumps({"curves": [
+        {"model": "m.gguf", "ms_per_step": 2.5, "ratios": [1.0, 1.01]}]}))
+    gr.main(["curve", str(tmp_path / "curve.json"), "ok, 9 s"])
+    (tmp_path / "tests.log").write_text("..\n===== 19 passed in 80.0s =====\n")
+    gr.main(["tests", str(tmp_path / "tests.log"), "ok, 81 s"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "curve: ok, 9 s; m.gguf: 2.5 ms/step, r(k) 1.00 1.01"
+    assert lines[2] == "tests: ok, 81 s; 19 passed in 80.0s"
+    assert (tmp_path / "tests.log").read_text().endswith("status: ok, 81 s\n")
