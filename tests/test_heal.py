@@ -42,6 +42,7 @@ def test_the_last_token_goes_and_more_while_a_token_covers_the_removed_text(alt)
     mid = model.fim_tokens()["mid"]
     assert back_up(model, [mid, T, H], 0) == (2, b"th")    # a control token stays
     assert back_up(model, [model.bos, mid], 0) == (0, b"")
+    assert back_up(model, [T, H], 0) == (1, b"h")          # one token stays, to be read first
 
 
 def test_the_first_token_must_extend_the_removed_text_or_begin_it(alt):

@@ -1,6 +1,6 @@
 """Token healing: a completion reads as typed when the text before the cursor ends inside a token.
 
-A prompt ending in a space or half a word ends in a token the model rarely saw there. Qwen's
+A prompt ending in a space or half a word ends in a token the model rarely saw there. SmolLM2's
 tokens for `    return variance` are `   `, ` return`, ` variance`; typed up to `return `, the
 prompt ends `   `, ` return`, ` `, and the model goes on with ` variance` (two spaces once
 inserted) or stops. Healing backs the prompt up to a token boundary and makes the first
@@ -11,8 +11,8 @@ generated tokens spell what was taken away (removed text R):
     output  [` variance`] [`(`] ...        of R, then the next one goes on); "variance(" ...
 
 Which tokens go (llama.cpp's "dynamic" token healing, its PR 7187): the last one, then more
-while some vocabulary token starts with all of the removed text (` var` + `i`: ` variance`
-covers ` vari`), never before `start` (the cursor's line), at most MAX_BACKUP.
+while some vocabulary token starts with all of the removed text (`t` + `h`: `the` covers
+`th`), never before `start` (the cursor's line), at most MAX_BACKUP.
 
 The constrained tokens are chosen here before the engine starts, by the request's own sampler
 chain on the logits masked to the allowed tokens (its seed, a stream of its own); the engine
@@ -88,17 +88,17 @@ class Vocabulary:
 
 def back_up(model, tokens: Sequence[int], start: int) -> tuple:
     """(how many tokens to take off the end of `tokens`, their text as bytes); never any
-    before index `start`. The last token always goes, then each one before it while some token
-    of the vocabulary starts with the removed text grown by it.
+    before index `start`, nor the first token. The last token goes (unless it is a control
+    token), then each one before it while some token of the vocabulary starts with the removed
+    text grown by it.
 
-    Example (Qwen): the cursor line `    return ` is [`   `, ` return`, ` `] -> (1, b" ");
-    `x = vari` is [`x`, ` =`, ` var`, `i`] -> (2, b" vari") (` variance` starts with ` vari`).
+    Example (SmolLM2): `    return ` is [`   `, ` return`, ` `] -> (1, b" "), since no token
+    starts with " return "; with the tests' tiny vocabulary the byte tokens [`x`, `t`, `h`]
+    -> (2, b"th"), since `th` and `the` start with "th" but none with "xth".
     """
-    if len(tokens) <= start:
-        return 0, b""
     vocab = Vocabulary.of(model)
     n, removed = 0, b""
-    while n < MAX_BACKUP and len(tokens) - n > start:
+    while n < MAX_BACKUP and len(tokens) - n > max(start, 1):    # one token stays to prefill
         piece = model.token_piece(tokens[-n - 1])
         if not piece or (n and not vocab.covers(piece + removed)):
             break                                  # a control token (BOS, FIM middle) stays
