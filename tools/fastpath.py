@@ -4,7 +4,7 @@ Same answer as step.step (`verify()` over `target_dist()` rows, then `near_tie()
 rows) for greedy sampling and point-mass drafts, without what a GPU step cannot afford: a Dist, a
 draw and two random numbers per row, a second argmax and a penalised copy of each row for the
 guard, and rows past the first rejection. Not wired into the engine: scripts/step_overhead.py
-swaps greedy_step in for step to measure what it saves (docs/gpu-lent-machine.md).
+swaps greedy_step in for step to measure what it saves (docs/gpu-offline-recipe.md).
 """
 
 from __future__ import annotations
