@@ -226,13 +226,15 @@ class Engine:
     def _finish(self, req: Request, n_prompt: int) -> None:
         """A request's cleanup. Keep only KV rows that match prompt + output: a stop inside an
         accepted run, an exception or Ctrl-C must not leave stray rows for the next request to
-        reuse. Touches nothing that was closed: engine.close() ends the request first, so a
-        closed context here means its owner freed it behind the engine's back."""
+        reuse. Touches nothing that was closed (engine.close() ends the request first, so a
+        closed context here means its owner freed it behind the engine's back), and nothing at
+        interpreter exit, when a never-closed engine's generator is collected: no KV is reused
+        then, and llama.cpp is not called while Python tears down."""
         st = req.stats
         st.generated_tokens = len(req.out)
         if req.policy is not None:
             st.pauses = req.policy.guard.n_backoffs
-        if getattr(self.ctx, "closed", False):
+        if getattr(self.ctx, "closed", False) or sys.is_finalizing():
             return
         self.ctx.reconcile()
         if not self.ctx.truncate(min(self.ctx.n_past, n_prompt + len(req.out))):
