@@ -61,6 +61,7 @@ SUSPECTS = {       # a raw-* case: what it adds to raw
     "raw-all": "the Python log callback, the probes and the imports together",
 }
 PROMPT = "The capital of France is"
+GUARD_EXIT = 86      # localspec's fatal-signal guard exits with this (localspec/llama/native.py)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -262,12 +263,28 @@ def classify(rc, stdout: str, timed_out: bool) -> str:
     sig = signal_name(rc)
     if sig:
         return f"crashed ({sig})"
+    if rc == GUARD_EXIT:
+        return f"crashed (caught by localspec's crash guard, exit {rc})"
     return f"failed (exit {rc})"
 
 
 def last_stage(stderr: str) -> str:
     stages = [line[7:] for line in stderr.splitlines() if line.startswith("stage: ")]
     return stages[-1] if stages else ""
+
+
+def crash_dir() -> Path:
+    """Where localspec's crash guard writes its reports: <LOCALSPEC_HOME>/crashes."""
+    home = os.environ.get("LOCALSPEC_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "localspec")
+    return Path(home) / "crashes"
+
+
+def reports() -> set:
+    try:
+        return set(crash_dir().iterdir())
+    except OSError:
+        return set()
 
 
 def find_debugger():
@@ -350,6 +367,7 @@ def matrix(model: str, layers: int, tokens: int, cases, case_timeout: float, bud
             continue
         t = time.monotonic()
         timed_out = False
+        before = reports()
         try:
             p = subprocess.run(child(case), capture_output=True, text=True, env=env,
                                timeout=min(case_timeout, left), errors="replace")
@@ -361,6 +379,10 @@ def matrix(model: str, layers: int, tokens: int, cases, case_timeout: float, bud
         r = {"status": classify(rc, so, timed_out), "rc": rc, "seconds": round(time.monotonic() - t, 2),
              "stage": last_stage(se), "adds": SUSPECTS.get(case, ""),
              "stdout": so.strip().splitlines()[-3:], "stderr_tail": se.strip().splitlines()[-30:]}
+        new = sorted(reports() - before)
+        if new:      # the door's crash guard wrote a report: its head says what and where
+            r["crash_report"] = {"path": str(new[-1]), "head": new[-1].read_text(
+                errors="replace").splitlines()[:60]}
         out["cases"][case] = r
         print(f"{case:12} {r['status']:20} {r['seconds']:6.1f} s  last stage: {r['stage']}",
               file=sys.stderr, flush=True)

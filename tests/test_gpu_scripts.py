@@ -156,6 +156,7 @@ def test_gpu_diagnose_names_the_case_that_crashes():
     assert dg.classify(-11, "", False) == "crashed (SIGSEGV)"
     assert dg.classify(139, "", False) == "crashed (SIGSEGV)" and dg.classify(1, "", False) == \
         "failed (exit 1)"
+    assert dg.classify(86, "", False).startswith("crashed (caught by localspec's crash guard")
     ok = {"status": "ok", "stage": "exit"}
     seg = {"status": "crashed (SIGSEGV)", "stage": "llama_model_load_from_file (n_gpu_layers -1)"}
     base = {c: ok for c in dg.CASES}
