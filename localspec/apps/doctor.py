@@ -108,7 +108,7 @@ def report(target: str, draft: Optional[str], gpu_layers: int = 0) -> tuple:
     found, crash = probe_in_child(paths, gpu_layers)
     lines = device_lines()
     if crash is not None:
-        return lines + [f"target: {paths[0]}", f"  CRASHED: {crash}"], False
+        return lines + [f"target: {paths[0]}", f"  the load-and-decode check {crash}"], False
     lines += found["target"]
     if draft is None:
         return lines, True
@@ -142,9 +142,11 @@ def probe_in_child(paths: list, gpu_layers: int, crash_test: Optional[int] = Non
     if proc.returncode == CRASH_EXIT and errors:
         return None, errors[-1][len("error: "):]
     if proc.returncode < 0:          # LOCALSPEC_CRASH_GUARD=0: the bare signal
-        name = signal.Signals(-proc.returncode).name
-        return None, f"the child process loading the model died of {name} (no report: " \
-            "LOCALSPEC_CRASH_GUARD=0)"
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        return None, f"died of {name} (no report: LOCALSPEC_CRASH_GUARD=0)"
     if errors:
         raise LocalspecError(errors[-1][len("error: "):])
     raise LocalspecError(f"the doctor's model check failed (exit {proc.returncode}): "
