@@ -16,6 +16,7 @@ The cases (each is also a subcommand, runnable by hand):
                bindings' own high-level class does (its log callback, stderr muted during load)
   door         localspec itself: `python -m localspec generate -m MODEL --gpu-layers L -n T`
   door-cpu     the same with --gpu-layers 0 (a CPU-only request on a GPU build)
+  doctor       `python -m localspec doctor MODEL --gpu-layers L`: the report a user runs first
   raw          the low-level load with nothing else: llama_backend_init, llama_model_load_from_file
                with Llama's parameters (n_gpu_layers L), a context, a prompt decoded, T greedy
                tokens, context and model freed. llama.cpp's own C logger (llama_log_set(NULL)),
@@ -49,7 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-CASES = ("control", "door", "door-cpu", "raw", "raw-intmax", "raw-quiet", "raw-logcb",
+CASES = ("control", "door", "door-cpu", "doctor", "raw", "raw-intmax", "raw-quiet", "raw-logcb",
          "raw-probes", "raw-imports", "raw-freed", "raw-all")
 SUSPECTS = {       # a raw-* case: what it adds to raw
     "raw-intmax": "n_gpu_layers 0x7FFFFFFF instead of -1",
@@ -85,13 +86,13 @@ def case_control(model: str, layers: int, tokens: int) -> str:
     return repr(out["choices"][0]["text"])
 
 
-def case_door(model: str, layers: int, tokens: int) -> None:
+def case_door(model: str, layers: int, tokens: int, doctor: bool = False) -> None:
     """Replaces this process with localspec's CLI: the door exactly as a user meets it."""
-    stage(f"exec python -m localspec generate --gpu-layers {layers}")
+    args = (["doctor", model, "--gpu-layers", str(layers)] if doctor else
+            ["generate", "-m", model, "--gpu-layers", str(layers), "-n", str(tokens), PROMPT])
+    stage(f"exec python -m localspec {args[0]} --gpu-layers {layers}")
     os.chdir(REPO)
-    os.execv(sys.executable, [sys.executable, "-X", "faulthandler", "-m", "localspec", "generate",
-                              "-m", model, "--gpu-layers", str(layers), "-n", str(tokens),
-                              PROMPT])
+    os.execv(sys.executable, [sys.executable, "-X", "faulthandler", "-m", "localspec", *args])
 
 
 _keep = []     # ctypes callbacks and generators that must outlive their functions
@@ -233,8 +234,8 @@ def case_raw(model: str, layers: int, tokens: int, case: str = "raw") -> str:
 def run_case(case: str, model: str, layers: int, tokens: int) -> None:
     if case == "control":
         result = case_control(model, layers, tokens)
-    elif case in ("door", "door-cpu"):
-        case_door(model, 0 if case == "door-cpu" else layers, tokens)
+    elif case in ("door", "door-cpu", "doctor"):
+        case_door(model, 0 if case == "door-cpu" else layers, tokens, doctor=case == "doctor")
         return
     else:
         result = case_raw(model, layers, tokens, case)
@@ -320,7 +321,7 @@ def verdict(results: dict) -> str:
                 "order" + extra)
     culprits = [c for c in SUSPECTS if c not in ("raw-all", "raw-freed") and bad(c)
                 and good("raw")]
-    door = [c for c in ("door", "door-cpu") if bad(c)]
+    door = [c for c in ("door", "door-cpu", "doctor") if bad(c)]
     parts = []
     if culprits:
         parts.append("suspects that crash alone: " + "; ".join(

@@ -77,8 +77,9 @@ def test_the_diagnostic_matrix_ran_every_case_in_its_own_process(rehearsal):
     d = load(out / "out1", "diagnose.json")
     assert d["status"].startswith("ok")
     # On the CPU every load runs, the door's included; the use-after-free case may crash.
-    assert set(d["cases"]) == {"control", "door", "door-cpu", "raw", "raw-intmax", "raw-quiet",
-                               "raw-logcb", "raw-probes", "raw-imports", "raw-freed", "raw-all"}
+    assert set(d["cases"]) == {"control", "door", "door-cpu", "doctor", "raw", "raw-intmax",
+                               "raw-quiet", "raw-logcb", "raw-probes", "raw-imports",
+                               "raw-freed", "raw-all"}
     for case, r in d["cases"].items():
         if case != "raw-freed":
             assert r["status"] == "ok", (case, r)
