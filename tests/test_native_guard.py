@@ -46,6 +46,30 @@ def test_the_sink_keeps_what_the_filter_says_continuations_follow_and_it_is_boun
         backend.set_log_level()
 
 
+def test_the_sink_takes_messages_from_many_threads_at_once():
+    """cffi drops the GIL around each call, so these threads log concurrently, as llama.cpp's
+    do: every message arrives whole, none twice."""
+    import threading
+    from localspec._ngram_c import ffi, lib
+    native.drain()
+    try:
+        native.configure_log(1)
+
+        def log(n):
+            for i in range(2000):
+                lib.lsn_log_sink(4, f"thread {n} message {i}\n".encode(), ffi.NULL)
+        threads = [threading.Thread(target=log, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        got = [text for _, text in native.drain()]
+        assert sorted(got) == sorted(f"thread {n} message {i}\n" for n in range(4)
+                                     for i in range(2000))
+    finally:
+        backend.set_log_level()
+
+
 def test_llama_cpp_logs_through_the_c_sink_not_a_python_callback(tiny_path):
     """What llama.cpp logs while it loads is in the ring (the placement lines are kept), and the
     pointer llama.cpp calls is native_guard's C function."""

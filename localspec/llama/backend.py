@@ -323,7 +323,7 @@ def gpu_backends() -> list:
 
 def backend_init_failures() -> list:
     """What GPU backends said when they failed to start (no driver, no device), kept off stderr
-    by the log callback: check_offload's error and `localspec doctor` quote it."""
+    by drain_log: check_offload's error and `localspec doctor` quote it."""
     return list(_log_state.get("backend_failures", []))
 
 
