@@ -331,6 +331,21 @@ def test_generate_learns_stats_say_so_and_store_clear_empties_it(home, tiny_path
     assert "no stores yet" in _cli("store", "stats", home=home).stdout
 
 
+def test_stats_say_what_the_next_run_does_with_an_unusable_store(home):
+    """Issue 43 item 8: stats promised a rebuild that a read-only folder makes impossible."""
+    folder = home / "store"
+    folder.mkdir(parents=True)
+    (folder / "m-0123456789abcdef.lsds").write_bytes(b"not a store file")
+    listing = _cli("store", "stats", home=home).stdout
+    assert "unusable (" in listing and "moves it to m-0123456789abcdef.lsds.rejected" in listing
+    folder.chmod(0o500)
+    try:
+        listing = _cli("store", "stats", home=home).stdout
+    finally:
+        folder.chmod(0o700)
+    assert "the next run cannot replace it" in listing and "rebuilds" not in listing
+
+
 def test_serve_help_says_whether_clients_shape_each_other(home):
     text = " ".join(_cli("serve", "--help", home=home).stdout.split())
     assert "--no-learn with --http" in text and "one client's outputs could then shape" in text

@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 
 from ..catalog.models import find_entry, model_path, resolve_model
-from ..speculative.store import bytes_per_token, capacity_for
+from ..speculative.store import bytes_per_token, max_tokens_for
 from ..speculative.store_file import (BREAK, ENV_MB, SUFFIX, budget_mb, clear_stores, list_stores,
-                                      saved_hits, store_dir, store_path)
+                                      next_run, saved_hits, store_dir, store_path)
 from .options import COMMAND
 
 
@@ -38,7 +38,7 @@ def stats() -> None:
     """One line per model's store: tokens, outputs, recent offers right, file size, last
     change, path."""
     budget = budget_mb()
-    cap = capacity_for(budget)
+    cap = max_tokens_for(budget)
     click.echo(f"budget: {budget:g} MB of RAM per model ({ENV_MB}), up to {cap:,} tokens "
                f"({bytes_per_token():.0f} bytes a token in RAM, 4 on disk)")
     rows = list_stores()
@@ -46,7 +46,7 @@ def stats() -> None:
         click.echo("no stores yet")
     for path, header, tokens, why in rows:
         if header is None:
-            click.echo(f"{path.name}: unusable ({why}); the next run rebuilds it")
+            click.echo(f"{path.name}: unusable ({why}); {next_run(path)}")
             continue
         when = datetime.datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
         hits = saved_hits(header)

@@ -71,9 +71,6 @@ def max_tokens_for(budget_mb: float, ngram_min: int = CONTEXT_MIN,
     return lo
 
 
-capacity_for = max_tokens_for   # the name cli/store.py still imports (another engineer's file)
-
-
 class DraftStore:
     """The store's tokens and index. append() outputs (a BREAK between them), propose() drafts.
 
