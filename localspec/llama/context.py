@@ -11,10 +11,10 @@ import numpy as np
 
 from ..errors import LocalspecError
 from . import backend as _b
-from . import rpc
+from . import native, rpc
 from .model import Model
 
-_IDLE = _b.native.encode_phase(_b.native.IDLE)
+_IDLE = native.encode_phase(native.IDLE)
 
 PREFILL_GRID = 64
 """Prompts are evaluated in chunks of this many tokens starting at position 0 (a fixed grid of
@@ -71,7 +71,7 @@ class Context:
         cp.flash_attn_type = (_b.C.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
                               else _b.C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cp.no_perf = True
-        with _b.native.phase(f"in llama.cpp while creating a context of {params.n_ctx} tokens "
+        with native.phase(f"in llama.cpp while creating a context of {params.n_ctx} tokens "
                              f"for {model.path.name} on {model.device} {model.crash_hint}"):
             ctx = _b.C.llama_init_from_model(model.handle(), cp)
         _b.drain_log()
@@ -123,7 +123,7 @@ class Context:
     def _decode_phase(self, n: int) -> bytes:
         phase = self._phases.get(n)
         if phase is None:
-            phase = self._phases[n] = _b.native.encode_phase(
+            phase = self._phases[n] = native.encode_phase(
                 f"in llama.cpp while decoding a batch of {n} tokens with "
                 f"{self.model.path.name} on {self.model.device} {self.model.crash_hint}")
         return phase
@@ -159,9 +159,9 @@ class Context:
             self._pos[:m] = np.arange(self.n_past, self.n_past + m)  # n_past grows per chunk
             self._out[:m] = want[chunk]
             self._batch.n_tokens = m
-            _b.native.set_phase(self._decode_phase(m))
+            native.set_phase(self._decode_phase(m))
             rc = _b.C.llama_decode(ctx, self._batch)
-            _b.native.set_phase(_IDLE)
+            native.set_phase(_IDLE)
             _b.drain_log()
             _b._state["decoded"] = True
             if rc != 0:
@@ -332,7 +332,7 @@ class Context:
         if self in self.model._contexts:
             self.model._contexts.remove(self)
         self._tok = self._pos = self._out = None
-        with _b.native.phase(f"in llama.cpp while freeing a context of {self.model.path.name} "
+        with native.phase(f"in llama.cpp while freeing a context of {self.model.path.name} "
                              f"{self.model.crash_hint}"):
             _b.C.llama_batch_free(self._batch)
             _b.C.llama_free(ctx)

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import LocalspecError
 from ..files import check_gguf_magic
 from . import backend as _b
-from . import rpc
+from . import native, rpc
 
 
 @dataclass(frozen=True)
@@ -103,11 +103,11 @@ class Model:
             mp.devices = ctypes.addressof(self._no_devices)
         self.device = "CPU" if params.n_gpu_layers == 0 else \
             ("+".join(_b.offload_device_names()) or "GPU")
-        self.crash_hint = _b.native.crash_hint(params.n_gpu_layers != 0,
+        self.crash_hint = native.crash_hint(params.n_gpu_layers != 0,
                                                bool(_b.gpu_backends()))
         _b._log_state["captured"], _b._log_state["placement"] = [], []
         try:
-            with _b.native.phase(f"in llama.cpp while loading {self.path.name} onto "
+            with native.phase(f"in llama.cpp while loading {self.path.name} onto "
                                  f"{self.device} {self.crash_hint}"):
                 self._model = _b.C.llama_model_load_from_file(str(self.path).encode(), mp)
         finally:
@@ -258,7 +258,7 @@ class Model:
             ctx.close()
         if self._model is not None:
             model, self._model, self._vocab = self._model, None, None
-            with _b.native.phase(f"in llama.cpp while freeing {self.path.name} "
+            with native.phase(f"in llama.cpp while freeing {self.path.name} "
                                  f"{self.crash_hint}"):
                 _b.C.llama_model_free(model)
             _b.drain_log()
