@@ -72,7 +72,7 @@ class Context:
                               else _b.C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cp.no_perf = True
         with native.phase(f"in llama.cpp while creating a context of {params.n_ctx} tokens "
-                             f"for {model.path.name} on {model.device} {model.crash_hint}"):
+                          f"for {model.path.name} on {model.device} {model.crash_hint}"):
             ctx = _b.C.llama_init_from_model(model.handle(), cp)
         _b.drain_log()
         rpc.secure()                              # a connection it opened: bounded from now
@@ -333,7 +333,7 @@ class Context:
             self.model._contexts.remove(self)
         self._tok = self._pos = self._out = None
         with native.phase(f"in llama.cpp while freeing a context of {self.model.path.name} "
-                             f"{self.model.crash_hint}"):
+                          f"{self.model.crash_hint}"):
             _b.C.llama_batch_free(self._batch)
             _b.C.llama_free(ctx)
         _b.drain_log()

@@ -108,7 +108,7 @@ class Model:
         _b._log_state["captured"], _b._log_state["placement"] = [], []
         try:
             with native.phase(f"in llama.cpp while loading {self.path.name} onto "
-                                 f"{self.device} {self.crash_hint}"):
+                              f"{self.device} {self.crash_hint}"):
                 self._model = _b.C.llama_model_load_from_file(str(self.path).encode(), mp)
         finally:
             _b.drain_log()
@@ -259,7 +259,7 @@ class Model:
         if self._model is not None:
             model, self._model, self._vocab = self._model, None, None
             with native.phase(f"in llama.cpp while freeing {self.path.name} "
-                                 f"{self.crash_hint}"):
+                              f"{self.crash_hint}"):
                 _b.C.llama_model_free(model)
             _b.drain_log()
 
