@@ -245,3 +245,18 @@ def test_a_model_too_large_for_the_device_is_one_line_that_says_what_to_lower():
     assert "not enough device memory" in line and "--gpu-layers" in line and "\n" not in line
     line = _load_error(Path("m.gguf"), "", "", 0)
     assert "truncated, corrupt or unsupported" in line
+
+
+def test_a_model_closed_under_a_running_request_leaves_its_cleanup_nothing_to_touch(tiny_path):
+    """The teardown order of `generate | head` before the fix: the context freed first (here by
+    closing the model the engine was handed), the generator's cleanup after it."""
+    from localspec.speculative.engine import Engine, EngineConfig
+    model = Model(tiny_path)
+    engine = Engine(model, EngineConfig(proposer="ngram", n_ctx=256))
+    gen = engine.generate("hello hello hello", max_tokens=64)
+    next(iter(gen))
+    model.close()                       # frees the engine's context first
+    assert engine.ctx.closed
+    gen.close()                         # the cleanup sees a closed context: it touches nothing
+    engine.close()
+    assert gen.stats.stop_reason == "cancelled"
