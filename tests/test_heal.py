@@ -4,6 +4,8 @@ speculation, and, on SmolLM2, that a completion after `    return ` reads as typ
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from localspec.apps.heal import Healed, Vocabulary, back_up
@@ -112,3 +114,28 @@ def test_generate_heals_a_raw_prompt_over_stdio(smollm_path, tmp_path):
         assert err["code"] == -32602 and "'heal'" in err["message"]
     finally:
         assert srv.close() == 0
+
+
+# -- the default model: the issue's own case, through `complete` ---------------------------------
+SUFFIX = "\n\n\nprint(std([1, 2, 3]))\n"
+
+
+@pytest.mark.skipif(not os.environ.get("LOCALSPEC_TEST_QWEN"),
+                    reason="the default model (1 GB) runs when LOCALSPEC_TEST_QWEN=1")
+def test_default_model_completes_after_return_as_typed(tmp_path):
+    """Measured unhealed: ' math.sqrt(variance(values))' after `    return ` (Tab inserted two
+    spaces) and '(values) ** 0.5' after `    return var` (`var(values)`)."""
+    from test_serve import Server
+
+    srv = Server("default", tmp_path, "--threads", "2")
+    try:
+        done = {}
+        for line in ("    return ", "    return var"):
+            r = srv.call("complete", {"prefix": PROMPT[:-len("    return ")] + line,
+                                      "suffix": SUFFIX, "max_tokens": 16, "max_lines": 1},
+                         timeout=600)
+            done[line] = r["result"]["text"]
+    finally:
+        assert srv.close() == 0
+    assert done["    return "][:1].strip() and "variance(values)" in done["    return "], done
+    assert done["    return var"].startswith("iance"), done
