@@ -56,7 +56,10 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
 
 
 def make_row(case: Case, mode, prompt_tokens: int, out: Outcome,
-             plain: Optional[Outcome], peer: Optional[Outcome], greedy: bool) -> Row:
+             plain: Optional[Outcome], peer: Optional[Outcome], greedy: bool,
+             ref: Optional[Outcome] = None) -> Row:
+    """The row of one (case, mode) run. Its ratio is over `ref` when given (a llama.cpp mode's
+    over llamacpp-plain), else over plain; identity is always against localspec's plain."""
     st = out.stats
     row = Row(case.id, case.kind, mode.name, prompt_tokens, out.generated_tokens,
               round(out.ttft_ms, 1), round(out.decode_tps, 2), None, None,
@@ -64,10 +67,15 @@ def make_row(case: Case, mode, prompt_tokens: int, out: Outcome,
               round(st.acceptance_rate, 4) if st and mode.name != "plain" else None,
               None, stop_reason=out.stop_reason, text=out.text,
               stats=st.to_dict() if st else {}, session=case.session)
+    ref = ref if ref is not None else plain
+    if ref is not None and ref is not out:
+        row.ratio = _ratio(out.decode_tps, ref.decode_tps)
     if plain is not None and plain is not out:
-        row.ratio = _ratio(out.decode_tps, plain.decode_tps)
         row.text_identical = out.text == plain.text
-        if not mode.is_peer:          # greedy, or seeded: same seed, same tokens
+        if getattr(mode, "is_llamacpp", False):
+            # a child process: its text is all there is (greedy only: its sampler is not ours)
+            row.identical = row.text_identical if greedy else None
+        elif not mode.is_peer:        # greedy, or seeded: same seed, same tokens
             row.identical = out.tokens == plain.tokens
         elif greedy and out.tokens is not None:
             # the peer's last token is not observable: its tokens but the last, and its count
@@ -79,14 +87,15 @@ def make_row(case: Case, mode, prompt_tokens: int, out: Outcome,
     return row
 
 
-def merge_rounds(row: Row, mode, rounds: Sequence[dict], peer_name: Optional[str]) -> None:
+def merge_rounds(row: Row, mode, rounds: Sequence[dict], peer_name: Optional[str],
+                 ref_name: str = "plain") -> None:
     """Row of the first round -> the median over rounds ({mode name: Outcome} each). Each round's
     ratio compares runs made next to each other, so the median of per-round ratios is what drift
     of a shared machine spoils least; identity must hold in every round."""
     row.rounds = len(rounds)
     row.decode_tps = round(_median([o[mode.name].decode_tps for o in rounds]), 2)
     if row.ratio is not None:
-        ratios = [_ratio(o[mode.name].decode_tps, o["plain"].decode_tps) for o in rounds]
+        ratios = [_ratio(o[mode.name].decode_tps, o[ref_name].decode_tps) for o in rounds]
         ratios = [r for r in ratios if r is not None]
         if ratios:
             row.ratio = round(_median(ratios), 3)
@@ -95,7 +104,9 @@ def merge_rounds(row: Row, mode, rounds: Sequence[dict], peer_name: Optional[str
         vs = [_ratio(o[mode.name].decode_tps, o[peer_name].decode_tps) for o in rounds]
         vs = [v for v in vs if v is not None]
         row.vs_peer = round(_median(vs), 3) if vs else None
-    if row.identical is not None and not mode.is_peer:
+    if row.identical is not None and getattr(mode, "is_llamacpp", False):
+        row.identical = all(o[mode.name].text == o["plain"].text for o in rounds)
+    elif row.identical is not None and not mode.is_peer:
         row.identical = all(o[mode.name].tokens == o["plain"].tokens for o in rounds)
 
 
@@ -144,6 +155,40 @@ def summarize(rows: Sequence[Row]) -> list:
 
 
 
+def versus_llamacpp(rows: Sequence[Row]) -> list:
+    """Per kind (and "all") and speculative localspec mode: the geometric mean over the cases
+    both ran of (its ratio to plain) / (each llama.cpp mode's ratio to llamacpp-plain), and
+    "best": over the llama.cpp mode with the higher geometric mean in that kind (the smaller of
+    the quotients). Above 1: localspec's speculation gains more over its plain decoding than
+    llama.cpp's over its own.
+
+    Example: code-edit, ngram 1.50x, llamacpp-mod 1.40x, llamacpp-simple 1.25x on one case ->
+    {"kind": "code-edit", "mode": "ngram", "cases": 1, "vs": {"llamacpp-mod": 1.071,
+    "llamacpp-simple": 1.2}, "vs_best": 1.071}."""
+    theirs = [m for m in dict.fromkeys(r.mode for r in rows)
+              if m.startswith("llamacpp-") and m != "llamacpp-plain"]
+    ours = [m for m in dict.fromkeys(r.mode for r in rows)
+            if m != "plain" and not m.startswith(("llamacpp-", "peer"))]
+    ratio = {(r.case, r.mode): r.ratio for r in rows if r.ratio}
+    kinds = [k for k in KINDS if any(group_of(r) == k for r in rows)]
+    kinds += sorted({group_of(r) for r in rows} - set(KINDS))
+    out = []
+    for kind in kinds + ["all"]:
+        cases = list(dict.fromkeys(r.case for r in rows if kind in (group_of(r), "all")))
+        for mode in ours if theirs else ():
+            vs = {}
+            for t in theirs:
+                both = [c for c in cases if (c, mode) in ratio and (c, t) in ratio]
+                g = geomean(ratio[(c, mode)] / ratio[(c, t)] for c in both)
+                if g:
+                    vs[t] = round(g, 3)
+            n = sum((c, mode) in ratio for c in cases)
+            if vs:
+                out.append({"kind": kind, "mode": mode, "cases": n, "vs": vs,
+                            "vs_best": min(vs.values())})
+    return out
+
+
 
 # -- tables and plots --------------------------------------------------------------------------
 def _fmt(v, spec: str = ".2f", none: str = "-") -> str:
@@ -155,6 +200,8 @@ def _identity(r) -> str:
         return "-"
     if r.identical:
         return "yes" if r.text_identical is not False else "yes (text differs)"
+    if r.diverge_at is None:
+        return "NO (text)"            # llama.cpp's tool: only its text is known
     gap = "" if r.top2_gap is None else f", gap {r.top2_gap:.3f}"
     return f"NO @{r.diverge_at}{gap}"
 
@@ -195,6 +242,15 @@ def format_summary(summary) -> str:
         ident = "-" if s["identical"] is None else f"{s['identical']}/{s['compared']}"
         body.append([s["kind"], s["mode"], str(s["cases"]), f"{s['decode_tps']:.2f}",
                      _fmt(s["geomean_ratio"]), worst, _fmt(s["geomean_vs_peer"]), ident])
+    return _table(header, body)
+
+
+def format_versus(versus) -> str:
+    """versus_llamacpp()'s answer as a Markdown table."""
+    theirs = list(dict.fromkeys(t for v in versus for t in v["vs"]))
+    header = ["kind", "mode", "cases", *(f"x {t} (geomean)" for t in theirs), "x best llama.cpp"]
+    body = [[v["kind"], v["mode"], str(v["cases"]), *(_fmt(v["vs"].get(t), ".3f") for t in theirs),
+             _fmt(v["vs_best"], ".3f")] for v in versus]
     return _table(header, body)
 
 

@@ -24,8 +24,11 @@ from ..llama import Model, default_threads, library_account, system_info
 from ..policy.config import K_LIMIT, PolicyConfig
 from ..speculative.sampling import SamplingParams, top2_gap
 from .engine_run import run_engine, run_lockstep
+from .llamacpp import MODES as LLAMACPP_MODES, PLAIN as LLAMACPP_PLAIN, LlamaCppTool
+from .llamacpp_build import require_tool
 from .peer import PEER_K, Peer
-from .report import Row, first_difference, make_row, merge_rounds, summarize
+from .report import (Row, first_difference, make_row, merge_rounds, summarize,
+                     versus_llamacpp)
 from .timing import Outcome
 from .workloads import Case
 
@@ -38,7 +41,8 @@ Say = Callable[[str], None]
 class Mode:
     """plain | ngram, draft, hybrid (adaptive k) | store (ngram + the draft store, empty at
     each session's start) | ngram-kN, store-kN, draft-kN, hybrid-kN (always N drafts) | peer |
-    peer-kN (N predicted)."""
+    peer-kN (N predicted) | llamacpp-plain, llamacpp-mod, llamacpp-simple (llama.cpp's own
+    binary, llamacpp.py)."""
 
     name: str
     fixed_k: Optional[int] = None
@@ -46,6 +50,20 @@ class Mode:
     @property
     def is_peer(self) -> bool:
         return self.name.startswith("peer")
+
+    @property
+    def is_llamacpp(self) -> bool:
+        return self.name in LLAMACPP_MODES
+
+    @property
+    def external(self) -> bool:
+        """Not one of our engines: runs alone, never in lockstep, with no engine statistics."""
+        return self.is_peer or self.is_llamacpp
+
+    @property
+    def reference(self) -> str:
+        """The mode its ratio is over: a llama.cpp mode's own plain decoding, else plain."""
+        return LLAMACPP_PLAIN if self.is_llamacpp and self.name != LLAMACPP_PLAIN else "plain"
 
     @property
     def proposer(self) -> str:
@@ -63,15 +81,23 @@ class Mode:
 
 def parse_modes(text: str) -> list:
     """"plain,ngram,ngram-k3,peer" -> Modes; plain first whenever it is listed (it is the
-    reference for ratios and identity)."""
+    reference for ratios and identity), llamacpp-plain added where another llamacpp mode is
+    listed (the reference for its ratio) and put before it."""
     bases = ("plain", "ngram", "store", "draft", "hybrid", "peer")
     modes = []
-    for name in (s.strip() for s in text.split(",") if s.strip()):
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if any(n in LLAMACPP_MODES for n in names) and LLAMACPP_PLAIN not in names:
+        names.insert(next(i for i, n in enumerate(names) if n in LLAMACPP_MODES), LLAMACPP_PLAIN)
+    for name in names:
+        if name in LLAMACPP_MODES:
+            if name not in [m.name for m in modes]:
+                modes.append(Mode(name))
+            continue
         base, _, k = name.partition("-k")
         if base not in bases or (k and not k.isdigit()) or (k and base == "plain"):
             raise LocalspecError(f"unknown mode {name!r}; use plain, ngram, store, draft, hybrid, "
-                                 "peer, "
-                                 "or one of those but plain with -kN (e.g. ngram-k3).")
+                                 "peer, or one of those but plain with -kN (e.g. ngram-k3), or "
+                                 f"{', '.join(LLAMACPP_MODES)}.")
         if k and int(k) > K_LIMIT and base != "peer":
             raise LocalspecError(f"mode {name!r} drafts more than {K_LIMIT} tokens a step, the "
                                  "most a verify batch carries.")
@@ -124,10 +150,13 @@ class Bench:
         self.rows: list = []
         self.engines: dict = {}
         self.peers: dict = {}
+        self.llamacpp: dict = {}
         # Exact mode is chosen before any decode in this process; the peer shares it, and so its
         # libraries (llamafile-free): one set of llama.cpp libraries per process.
         # RPC servers are attached process-wide: the peer's offloaded layers go there too.
         cfg = settings.engine
+        if any(m.is_llamacpp for m in self.modes):
+            require_tool()            # before loading anything: one line on how to build it
         self.model = load_model(settings.model, cfg.n_gpu_layers, cfg.exact, cfg.rpc)
         self.model_path = self.model.path
         try:
@@ -136,6 +165,10 @@ class Bench:
             for m in self.modes:
                 if m.is_peer:
                     self.peers[m.name] = None     # loaded in run(): keeps a failure readable
+                elif m.is_llamacpp:
+                    self.llamacpp[m.name] = LlamaCppTool(
+                        m.name, self.model_path, cfg.n_ctx, cfg.n_threads or default_threads(),
+                        cfg.n_gpu_layers)
                 else:
                     self.engines[m.name] = Engine(self.model, settings.mode_config(m),
                                                   progress=say)
@@ -166,14 +199,18 @@ class Bench:
         if mode.is_peer:
             prompt = self.model.apply_chat_template(case.messages(), add_assistant=True)
             return self.peers[mode.name].run(prompt, self.settings.sampling, max_tokens, live)
+        if mode.is_llamacpp:          # the same rendered prompt, in a file
+            prompt = self.model.apply_chat_template(case.messages(), add_assistant=True)
+            return self.llamacpp[mode.name].run(prompt, self.settings.sampling, max_tokens)
         return run_engine(self.engines[mode.name], case, self.settings.sampling, max_tokens, live,
                           cold)
 
     def _run_round(self, order: Sequence[Mode], case: Case, max_tokens: int, tag: str,
                    cold: bool) -> dict:
         """{mode name: Outcome} for one round: one mode after another, or with --lockstep the
-        engine modes together, taking turns (the peers still one after another)."""
-        together = [m for m in order if not m.is_peer] if self.settings.lockstep else []
+        engine modes together, taking turns (the peers and llama.cpp's tool still one after
+        another)."""
+        together = [m for m in order if not m.external] if self.settings.lockstep else []
         outs = {}
         if len(together) > 1:
             self.say(f"    {'+'.join(m.name for m in together)} in lockstep")
@@ -230,11 +267,17 @@ class Bench:
             plain, peer = outs.get("plain"), outs.get(peer_name)
             load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
             for mode in self.modes:
-                row = make_row(case, mode, n_prompt, outs[mode.name], plain, peer, greedy)
+                row = make_row(case, mode, n_prompt, outs[mode.name], plain, peer, greedy,
+                               outs.get(mode.reference))
+                if mode.is_llamacpp and LLAMACPP_PLAIN in outs and greedy:
+                    row.stats["text_as_llamacpp_plain"] = \
+                        outs[mode.name].text == outs[LLAMACPP_PLAIN].text
                 if len(rounds) > 1:
-                    merge_rounds(row, mode, rounds, peer_name)
+                    merge_rounds(row, mode, rounds, peer_name,
+                                 mode.reference if mode.reference in outs else "plain")
                 row.load_avg = load
-                if row.identical is False and greedy and "plain" in self.engines:
+                if row.identical is False and greedy and "plain" in self.engines and \
+                        not mode.is_llamacpp:
                     # where it parted from plain, in the first round where it did
                     o = next((o for o in rounds if o[mode.name].tokens != o["plain"].tokens),
                              outs)
@@ -270,13 +313,14 @@ class Bench:
 
     @staticmethod
     def _verdict(r: Row) -> str:
-        same = {None: "", True: " identical"}.get(r.identical, f" DIFFERS at token {r.diverge_at}")
+        where = "" if r.diverge_at is None else f" at token {r.diverge_at}"
+        same = {None: "", True: " identical"}.get(r.identical, f" DIFFERS{where}")
         return f"{r.mode} {r.ratio:.2f}x{same}"
 
     def cost_curve(self) -> Optional[list]:
         """The verify cost curve r(k) the n-gram engines used (cached on disk), for the record."""
         for m in self.modes:
-            if m.proposer != "none" and not m.is_peer:
+            if m.proposer != "none" and not m.external:
                 e = self.engines[m.name]
                 return list(load_or_measure(e.ctx, self.settings.engine.n_gpu_layers,
                                             e.config.policy.k_max).ratios)
@@ -300,8 +344,11 @@ class Bench:
 # -- setup record --------------------------------------------------------------------------------
 def write_json(path: Path, meta: dict, rows) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "summary": summarize(rows),
-                               "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    doc = {"meta": meta, "summary": summarize(rows)}
+    versus = versus_llamacpp(rows)
+    if versus:
+        doc["versus_llamacpp"] = versus
+    tmp.write_text(json.dumps({**doc, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
     os.replace(tmp, path)
 
 
@@ -311,7 +358,9 @@ def setup_record(b: Bench, settings: BenchSettings, started) -> dict:
         curve = b.cost_curve()
     except Exception:   # the record must not lose the results
         curve = None
+    tools = {name: t.last_command for name, t in b.llamacpp.items()}
     return {
+        "llamacpp_commands": tools or None,    # each mode's last command line
         "command": " ".join(["localspec", "bench", *sys.argv[1 + (sys.argv[1:2] == ["bench"]):]]),
         "started_utc": started.isoformat(timespec="seconds"),
         "localspec": __version__,

@@ -22,12 +22,15 @@ class Outcome:
     total_ms: float
     stop_reason: str
     stats: Optional[GenerationStats] = None
+    timed_tokens: Optional[int] = None    # the tokens total_ms covers, when not all of them
+                                          # (llama.cpp's tool runs past the cap: llamacpp.py)
 
     @property
     def decode_tps(self) -> float:
         """Tokens after the first, per second after the first: the same rule for every mode."""
+        n = self.generated_tokens if self.timed_tokens is None else self.timed_tokens
         span = (self.total_ms - self.ttft_ms) / 1000.0
-        return (self.generated_tokens - 1) / span if self.generated_tokens > 1 and span > 0 else 0.0
+        return (n - 1) / span if n > 1 and span > 0 else 0.0
 
 
 class Ticker:

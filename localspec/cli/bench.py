@@ -11,7 +11,8 @@ from typing import Optional
 import click
 
 from ..bench import KINDS, Bench, BenchSettings, load_workloads, parse_modes, summarize
-from ..bench.report import format_rows, format_summary, plot_ratios, require_matplotlib
+from ..bench.report import (format_rows, format_summary, format_versus, plot_ratios,
+                            require_matplotlib, versus_llamacpp)
 from ..bench.runner import setup_record, write_json
 from .limits import check_context
 from .options import (COMMAND, build_sampling, draft_option, engine_config, model_option,
@@ -34,7 +35,10 @@ def _csv(_ctx, _param, value):
                    "session), draft, hybrid (n-gram, then the "
                    "draft model), peer (llama-cpp-python's LlamaPromptLookupDecoding, k=10); "
                    "add -kN to any but plain to draft exactly N tokens (ngram-k3, peer-k4; "
-                   "N at most 16 but for peer).")
+                   "N at most 16 but for peer). llamacpp-mod, llamacpp-simple: llama.cpp's own "
+                   "n-gram speculation (its llama-speculative-simple, built once by "
+                   "scripts/llamacpp_tools.sh), each over llamacpp-plain, the same binary's "
+                   "plain decoding, which runs with them.")
 @draft_option(f"Used by the draft and hybrid modes [default: {DEFAULT_DRAFT}].")
 @click.option("--kinds", callback=_csv, default=None,
               help=f"Only these kinds ({','.join(KINDS)}).")
@@ -80,6 +84,8 @@ def bench(workloads, modes, kinds, cases, rounds, lockstep, no_warmup, json_path
       localspec bench --cases sum-with,chat-haiku --json out.json --plot out.png
       localspec bench --modes plain,ngram --rounds 3   # medians: a noisy machine
       localspec bench --modes plain,ngram --lockstep --rounds 3   # and drift cancelled
+      localspec bench --kinds code-edit -n 256 \\
+          --modes plain,ngram,llamacpp-plain,llamacpp-mod,llamacpp-simple   # vs llama.cpp
     """
     if plot_path is not None:
         require_matplotlib()
@@ -118,6 +124,11 @@ def bench(workloads, modes, kinds, cases, rounds, lockstep, no_warmup, json_path
     click.echo(format_rows(rows))
     click.echo()
     click.echo(format_summary(summarize(rows)))
+    versus = versus_llamacpp(rows)
+    if versus:
+        click.echo()
+        click.echo("localspec's ratio to plain over llama.cpp's ratio to its own plain:")
+        click.echo(format_versus(versus))
     if json_path is not None:
         say(f"wrote {json_path}")
     if plot_path is not None and rows:

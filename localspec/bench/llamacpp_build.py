@@ -1,0 +1,237 @@
+"""llama.cpp's stock `llama-speculative-simple`, built once per machine for the llamacpp-* bench
+modes: from the vendored llama.cpp of the installed llama-cpp-python's sdist, with the CMake flags
+install.sh builds the wheel with (localspec/llama/buildflags.py), cached beside the wheel under
+$LOCALSPEC_HOME/llamacpp-bin/llama-cpp-python-VERSION-KEY/ (KEY: install.sh's wheel key, so one
+flag set, one folder). Only that target and what it links are compiled, statically.
+
+    python -m localspec.bench.llamacpp_build           # or scripts/llamacpp_tools.sh
+    python -m localspec.bench.llamacpp_build --path    # where the binary is (built or not)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import LocalspecError
+from ..files import localspec_home
+
+TOOL = "llama-speculative-simple"
+TARGETS = (TOOL,)
+BUILD_COMMAND = "scripts/llamacpp_tools.sh"      # = python -m localspec.bench.llamacpp_build
+# Standalone llama.cpp builds its tests, tools and server by default; none are needed here.
+# Static: one self-contained binary to cache. OpenSSL/curl: nothing is downloaded.
+FIXED_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_COMMON=ON",
+              "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
+              "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
+              "-DLLAMA_CURL=OFF")
+# Parts of the vendored tree this configuration never reads (vocabularies, docs, Python, media,
+# the tools and tests it does not build: 170 of its 180 MB).
+SKIP_DIRS = ("models", "docs", "media", "gguf-py", "tests", "tools", ".git", ".github", "benches",
+             "conversion", "skills", "app")
+
+Say = Callable[[str], None]
+
+
+def version() -> str:
+    """The installed llama-cpp-python's version: the binaries must match the wheel localspec
+    runs on."""
+    from importlib.metadata import PackageNotFoundError, version as v
+    try:
+        return v("llama-cpp-python")
+    except PackageNotFoundError:
+        raise LocalspecError("llama-cpp-python is not installed here; run ./install.sh first.") \
+            from None
+
+
+def cmake_args() -> list:
+    """The wheel's flags, from the one place that decides them."""
+    from ..llama.buildflags import host_plan
+    return list(host_plan().args)
+
+
+def flag_key(ver: str, args: list) -> str:
+    """install.sh's wheel key: sha256 of "VERSION SYSTEM MACHINE FLAGS", 12 hex digits.
+
+    Example: ("0.3.36", ["-DGGML_RPC=ON"]) on Linux x86_64 -> sha256("0.3.36 Linux x86_64
+    -DGGML_RPC=ON")[:12]."""
+    text = f"{ver} {platform.system()} {platform.machine()} {' '.join(args)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def bin_dir(ver: Optional[str] = None, args: Optional[list] = None) -> Path:
+    ver = ver or version()
+    args = cmake_args() if args is None else args
+    return localspec_home() / "llamacpp-bin" / f"llama-cpp-python-{ver}-{flag_key(ver, args)}"
+
+
+def tool_path(name: str = TOOL) -> Path:
+    return bin_dir() / name
+
+
+def require_tool(name: str = TOOL) -> Path:
+    """The built binary, or a one-line error saying how to build it."""
+    path = tool_path(name)
+    if not path.is_file():
+        raise LocalspecError(f"llama.cpp's {name} is not built for this flag set ({path.parent.name})"
+                             f"; build it once (~10-20 min on 2 cores): {BUILD_COMMAND}")
+    return path
+
+
+# -- the source ------------------------------------------------------------------------------------
+def sdist(ver: str, say: Say) -> Path:
+    """llama-cpp-python's sdist, from the cache install.sh's GPU bundle shares, else PyPI."""
+    folder = localspec_home() / "sdist"
+    path = folder / f"llama_cpp_python-{ver}.tar.gz"
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    say(f"downloading llama-cpp-python {ver}'s source (77 MB)...")
+    # --no-binary for this package only: ':all:' would build its build tools from source too.
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                        "--no-binary", "llama-cpp-python", "-d", str(folder),
+                        f"llama-cpp-python=={ver}"], capture_output=True, text=True)
+    if r.returncode != 0 or not path.is_file():
+        raise LocalspecError(f"could not download llama-cpp-python {ver}'s source (no package "
+                             f"index?): {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    return path
+
+
+def unpack_vendored(archive: Path, dest: Path) -> Path:
+    """vendor/llama.cpp of the sdist into dest, without the parts the build never reads."""
+    with tarfile.open(archive) as tar:
+        members = []
+        for m in tar.getmembers():
+            parts = Path(m.name).parts
+            if len(parts) < 3 or parts[1:3] != ("vendor", "llama.cpp"):
+                continue
+            if len(parts) > 3 and parts[3] in SKIP_DIRS:
+                continue
+            members.append(m)
+        tar.extractall(dest, members=members, filter="data")
+    return dest / Path(members[0].name).parts[0] / "vendor" / "llama.cpp"
+
+
+def source_tree(ver: str, work: Path, say: Say) -> Path:
+    """LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python tree, as install.sh takes) or the sdist."""
+    given = os.environ.get("LOCALSPEC_LLAMA_SRC")
+    if given:
+        tree = Path(given) / "vendor" / "llama.cpp"
+        if not (tree / "CMakeLists.txt").is_file():
+            raise LocalspecError(f"LOCALSPEC_LLAMA_SRC={given} has no vendor/llama.cpp.")
+        return tree
+    return unpack_vendored(sdist(ver, say), work)
+
+
+# -- the build -------------------------------------------------------------------------------------
+_PROGRESS = re.compile(r"^\[\s*(\d+)%\]|^\[(\d+)/(\d+)\]")
+
+
+def _run_logged(cmd: list, log, say: Say, what: str) -> None:
+    """Run cmd with its output appended to `log`; a progress line on stderr every 10% (make's
+    "[ 42%]", ninja's "[12/80]") or every 60 s."""
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")
+    shown, last = -10, time.monotonic()
+    for line in proc.stdout:
+        log.write(line)
+        m = _PROGRESS.match(line)
+        if m:
+            pct = int(m.group(1)) if m.group(1) else 100 * int(m.group(2)) // int(m.group(3))
+            if pct >= shown + 10 or time.monotonic() - last > 60:
+                shown, last = pct, time.monotonic()
+                say(f"  {what}: {pct}%")
+    if proc.wait() != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+
+
+@contextlib.contextmanager
+def _lock(path: Path, say: Say):
+    """One build per flag set at a time; a second caller waits, then finds it built."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say("waiting for another build of llama.cpp's tools to finish...")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = None) -> Path:
+    """Build (or find built) the tools; their folder. A failure is one LocalspecError line
+    naming the build log."""
+    ver, args = version(), cmake_args()
+    out = bin_dir(ver, args)
+    if all((out / t).is_file() for t in TARGETS):
+        return out
+    missing = [t for t in ("cmake", "c++") if not shutil.which(t)]
+    if missing:
+        raise LocalspecError(f"building llama.cpp's tools needs {' and '.join(missing)} "
+                             "(e.g. apt-get install cmake g++, or pip install cmake).")
+    with _lock(out.parent / f"{out.name}.lock", say):
+        if all((out / t).is_file() for t in TARGETS):
+            return out
+        jobs = jobs or os.cpu_count() or 2
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log_path = out.parent / f"{out.name}.build.log"
+        t0 = time.monotonic()
+        say(f"building llama.cpp's {', '.join(TARGETS)} from llama-cpp-python {ver}'s vendored "
+            f"source with install.sh's flags ({jobs} jobs; ~10-20 min on 2 cores; log: "
+            f"{log_path})")
+        with tempfile.TemporaryDirectory(prefix="llamacpp-build-") as work, \
+                open(log_path, "w") as log:
+            work = Path(work)
+            try:
+                tree = source_tree(ver, work, say)
+                _run_logged(["cmake", "-S", str(tree), "-B", str(work / "build"), *FIXED_ARGS,
+                             *args], log, say, "configure")
+                _run_logged(["cmake", "--build", str(work / "build"), "--config", "Release",
+                             "-j", str(jobs), "--target", *TARGETS], log, say, "compile")
+            except (subprocess.CalledProcessError, OSError) as e:
+                raise LocalspecError(f"building llama.cpp's tools failed ({e}); log: "
+                                     f"{log_path}") from None
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for t in TARGETS:
+                found = next((work / "build").rglob(t), None)
+                if found is None:
+                    raise LocalspecError(f"the build made no {t}; log: {log_path}")
+                shutil.copy2(found, tmp / t)
+            (tmp / "BUILD").write_text(f"llama-cpp-python {ver}\n{' '.join(FIXED_ARGS)}\n"
+                                       f"{' '.join(args)}\n")
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+        say(f"built {', '.join(TARGETS)} in {(time.monotonic() - t0) / 60:.1f} min: {out}")
+    return out
+
+
+def main(argv: list) -> int:
+    try:
+        if "--path" in argv:
+            print(tool_path())
+            return 0
+        print(build() / TOOL)
+    except LocalspecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
