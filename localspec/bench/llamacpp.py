@@ -53,6 +53,7 @@ class Run:
     log time (µs), and each step's (tokens printed, drafted, accepted)."""
 
     n_prompt: int
+    echo: str                         # the prompt as the tool read it, token by token
     t_prompt_us: int                  # when the prompt echo began: after tokenizing, before prefill
     pieces: list                      # [(text, t_us)] per generated token, EOS excluded
     steps: list                       # [(printed, n_drafted, n_accepted)]
@@ -84,7 +85,7 @@ def parse(jsonl: str) -> Run:
 
     Example: none "\\n\\n", none "a", none "b" (prompt), none "X" at t=5, debug "accepted 0/0",
     none "Y", none "Z" at t=9, debug "accepted 1/3", none "\\n\\n", info "encoded    2 tokens"
-    -> Run(2, t of "a", [("X", 5), ("Y", 9), ("Z", 9)], [(1, 0, 0), (2, 3, 1)])."""
+    -> Run(2, "ab", t of "a", [("X", 5), ("Y", 9), ("Z", 9)], [(1, 0, 0), (2, 3, 1)])."""
     out, step_ends, n_prompt = [], [], None
     for line in jsonl.splitlines():
         try:
@@ -104,12 +105,12 @@ def parse(jsonl: str) -> Run:
     if n_prompt is None or not out:
         raise LocalspecError(f"{TOOL} logged no prompt count; not the expected version?")
     first = 1 + n_prompt                      # after "\n\n" and the prompt's echo
-    steps, pieces, at = [], [], first
+    steps, at = [], first
     for end, drafted, accepted in step_ends:
         steps.append((end - at, drafted, accepted))
         at = end
-    pieces = out[first:at]
-    return Run(n_prompt, out[1][1] if len(out) > 1 else out[0][1], pieces, steps)
+    return Run(n_prompt, "".join(m for m, _ in out[1:first]),
+               out[1][1] if len(out) > 1 else out[0][1], out[first:at], steps)
 
 
 def outcome(run: Run, max_tokens: int) -> Outcome:
