@@ -9,7 +9,8 @@
 #      LOCALSPEC_HOME, so setup installs it instead of building (LOCALSPEC_BACKEND=cpu)
 #   4. scripts/gpu_run.sh, twice, as the two calls: call 1 without .gpu2 (setup ... overhead;
 #      bench waits for SmolLM2's second part), call 2 with it (bench); each into its own OUT
-#      (DIR/out1, DIR/out2), pip with no index throughout, small sizes (REHEARSAL_BUDGET_S each)
+#      (DIR/out1, DIR/out2), pip with no index throughout, small sizes and one thread (a
+#      shared 2-core machine slows two spinning threads most), REHEARSAL_BUDGET_S each
 # Exit: 0 when both calls ran every step they could (tests: "skipped: no GPU"), 75 when the
 # bundle could not reach a package index or no CPU wheel is cached (./install.sh first), else 1.
 # Usage: scripts/gpu_rehearse.sh [DIR]     Env: PYTHON (the tools' Python, default .venv/bin/python),
@@ -78,8 +79,8 @@ call() {
   (cd "$DIR/tree" && env -u LOCALSPEC_HOME -u VIRTUAL_ENV OUT="$DIR/out$n" IMAGE_PYTHON="$DIR/image/bin/python" \
      LOCALSPEC_BACKEND=cpu PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null \
      RUN_BUDGET_S=${REHEARSAL_BUDGET_S:-420} DIAG_CASE_TIMEOUT=60 TOKENS=6 IDENTITY_PROMPTS=2 \
-     K_MAX=4 KS=0,4 OVERHEAD_TOKENS=8 \
-     BENCH_ARGS="--cases chat-haiku -n 8 --no-warmup --threads 2 --ctx 1024" BENCH_TIMEOUT=300 \
+     K_MAX=4 KS=0,2 OVERHEAD_TOKENS=4 THREADS=1 \
+     BENCH_ARGS="--cases chat-haiku -n 8 --no-warmup --threads 1 --ctx 1024" BENCH_TIMEOUT=300 \
      bash scripts/gpu_run.sh) > "$DIR/call$n.log" 2>&1
 }
 call 1; rc1=$?

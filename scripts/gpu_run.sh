@@ -25,7 +25,7 @@
 # Env: OUT, RUN_BUDGET_S, GPU_LAYERS, IMAGE_PYTHON (python3), FORCE=1 (redo done steps),
 #      <STEP>_TIMEOUT (SETUP_TIMEOUT, ...), DIAG_CASES, DIAG_CASE_TIMEOUT (40), TOKENS (32),
 #      IDENTITY_PROMPTS (20), K_MAX (16), KS (0,4,8,16), OVERHEAD_TOKENS (64),
-#      BENCH_ARGS ("-n 64"), TESTS_ARGS
+#      BENCH_ARGS ("-n 64"), TESTS_ARGS, THREADS (identity, curve, overhead; default: all cores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -166,7 +166,7 @@ step_identity() {
   models+=("$(tiny_model)")
   "$VPY" scripts/gpu_measure.py --what identity --target "${models[0]}" --also "${models[@]:1}" \
     --gpu-layers "$(layers)" --tokens "${TOKENS:-32}" --prompts "${IDENTITY_PROMPTS:-20}" \
-    --json "$OUT/identity.json"
+    ${THREADS:+--threads "$THREADS"} --json "$OUT/identity.json"
 }
 
 step_curve() {
@@ -180,14 +180,15 @@ step_curve() {
   [ ${#models[@]} -gt 0 ] || models+=("$(tiny_model)")
   "$VPY" scripts/gpu_measure.py --what curve,draft --target "${models[0]}" \
     --also "${models[@]:1}" "${draft[@]}" --gpu-layers "$(layers)" --k-max "${K_MAX:-16}" \
-    --json "$OUT/curve.json"
+    ${THREADS:+--threads "$THREADS"} --json "$OUT/curve.json"
 }
 
 step_overhead() {
   local m
   m=$(shape_model qwen2.5-coder-1.5b) || m=$(shape_model smollm2-135m) || m=$(tiny_model)
   "$VPY" scripts/step_overhead.py "$m" --gpu-layers "$(layers)" --ks "${KS:-0,4,8,16}" \
-    --tokens "${OVERHEAD_TOKENS:-64}" --reps 1 --fast --profile 8 --json "$OUT/overhead.json"
+    --tokens "${OVERHEAD_TOKENS:-64}" --reps 1 --fast --profile 8 ${THREADS:+--threads "$THREADS"} \
+    --json "$OUT/overhead.json"
 }
 
 step_bench() {
@@ -236,7 +237,8 @@ run_step() {
       0) status=ok; touch "$STATE/$name.done";;
       3|4) status=$(grep '^skipped:' "$log" | tail -1); status=${status:-skipped}
          [ $rc = 3 ] || touch "$STATE/$name.done";;   # 4: skipped for good, 3: until a later call
-      124|137) status="timed out after ${t} s";;
+      124|137) status="timed out after ${t} s"     # at its own timeout: not again; cut
+         [ "$name" = setup ] || [ "$t" -lt "$cap" ] || touch "$STATE/$name.done";;  # short: again
       *) status="failed (exit $rc)"
          if [ $rc -gt 128 ]; then status="crashed (signal $((rc - 128)), exit $rc)"; fi
          [ "$name" = setup ] || touch "$STATE/$name.done";;
