@@ -234,6 +234,24 @@ def test_infill_answers_llama_vims_request(http):
     assert full["tokens_cached"] > 0            # the same buffer: its prompt was kept
 
 
+def test_llama_vims_warm_up_request_reads_the_chunks_and_generates_nothing(http):
+    """llama.vim sends n_predict 0 to put its ring of chunks in the cache ("don't generate
+    anything"): a prefill, as `prefill` over stdio, not a 64-token completion."""
+    ring = [{"text": "".join(f"def ring{i}_{j}(x):\n    return x - {j}\n" for j in range(12)),
+             "filename": f"ring{i}.py"} for i in range(3)]
+    warm = {"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": ring,
+            "prompt": "", "n_predict": 0, "temperature": 0.0, "samplers": [], "stream": False,
+            "cache_prompt": True, "t_max_prompt_ms": 1, "t_max_predict_ms": 1,
+            "response_fields": [""]}
+    status, body, _ = http.post("/infill", {**warm, "response_fields": []})
+    assert status == 200 and body["content"] == "" and body["tokens_predicted"] == 0, body
+    assert body["timings"]["prompt_n"] > 500, body
+    ask = {**LLAMA_VIM_BODY, "input_extra": ring, "response_fields": []}
+    done = http.post("/infill", ask)[1]
+    assert done["tokens_cached"] >= body["timings"]["prompt_n"] - 64, done
+    assert http.post("/infill", {**warm, "response_fields": [""]})[0] == 200
+
+
 def test_infill_streams_llama_cpp_events(http):
     import httpx
 

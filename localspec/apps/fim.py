@@ -225,10 +225,11 @@ class Infill:
 
 
 class Prefill:
-    """The protocol's `prefill`: the prompt that a completion at `req`'s cursor would read,
-    evaluated now into the KV cache (healed as the completion will be), so that the first
-    keystroke's completion finds it warm; the prompt cache keeps it when another buffer comes
-    next. It generates nothing: iterating yields no text; `.result` says what was read."""
+    """The protocol's `prefill` (and /infill with n_predict 0, llama.vim's warm-up): the prompt
+    that a completion at `req`'s cursor would read, evaluated now into the KV cache (healed as
+    the completion will be), so that the first keystroke's completion finds it warm; the prompt
+    cache keeps it when another buffer comes next. It generates nothing: iterating yields no
+    text; `.result` says what was read, `.stats` the same as a completion's."""
 
     def __init__(self, engine, req: FimRequest, cancel: Optional[threading.Event] = None):
         started = time.perf_counter()
@@ -236,11 +237,17 @@ class Prefill:
         n, _ = back_up(engine.model, prompt.tokens, prompt.start)
         tokens = prompt.tokens[:len(prompt.tokens) - n]
         read = prefill(engine, tokens, cancel)
+        ms = 1000 * (time.perf_counter() - started)
+        self.text, self.truncated, self.note = "", prompt.truncated, prompt.note
+        self.finish_reason = "cancelled" if read.logits is None else "length"
+        self.stats = GenerationStats(prompt_tokens=len(tokens), prefill_tokens=read.evaluated,
+                                     prefill_ms=ms, total_ms=ms,
+                                     stop_reason=self.finish_reason)
+        self.stats.record_reuse(read.source, read.reused, read.restore_ms)
         self.result = {"prompt_tokens": len(tokens), "reused_tokens": read.reused,
                        "prefill_tokens": read.evaluated, "reuse_source": read.source,
-                       "prefill_ms": round(1000 * (time.perf_counter() - started), 3),
-                       "cancelled": read.logits is None, "truncated": prompt.truncated,
-                       "note": prompt.note}
+                       "prefill_ms": round(ms, 3), "cancelled": read.logits is None,
+                       "truncated": prompt.truncated, "note": prompt.note}
 
     def __iter__(self) -> Iterator[str]:
         return iter(())

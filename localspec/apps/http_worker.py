@@ -19,7 +19,7 @@ from typing import Optional
 from ..errors import LocalspecError
 from ..speculative.engine import Engine
 from ..speculative.stats import GenerationStats
-from .fim import infill
+from .fim import Prefill, infill
 from .openai_api import ApiError, GenRequest
 
 
@@ -155,6 +155,8 @@ class Worker:
         req, engine = job.req, self.engine
         policy = None if req.fixed_k is None else \
             replace(engine.config.policy, fixed_k=req.fixed_k)
+        if req.fim is not None and req.max_tokens == 0:
+            return Prefill(engine, req.fim, job.cancel)
         if req.fim is not None:
             return infill(engine, req.fim, req.sampling, req.speculate, job.cancel, policy)
         tokens = engine.tokenize_prompt(req.prompt)

@@ -34,8 +34,12 @@ def parse_infill_request(body, names, n_ctx: int) -> GenRequest:
     lines = CHECK.number(ext, "localspec.max_lines", 0, 0, integer=True)
     if lines:
         fim = replace(fim, max_lines=lines)
+    # n_predict 0 is how llama.vim warms the cache ("don't generate anything"): a prefill
+    warm = any(body.get(n) == 0 and not isinstance(body.get(n), bool)
+               for n in ("n_predict", "max_tokens"))
     return GenRequest(kind="infill", prompt="", sampling=CHECK.sampling(body, 2.0),
-                      max_tokens=fim.max_tokens, stream=CHECK.flag(body, "stream", False),
+                      max_tokens=0 if warm else fim.max_tokens,
+                      stream=CHECK.flag(body, "stream", False),
                       speculate=CHECK.flag(ext, "localspec.speculate", True),
                       fixed_k=CHECK.draft_length(ext, "localspec.k"), fim=fim,
                       fields=tuple(fields))

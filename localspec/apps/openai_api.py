@@ -118,7 +118,8 @@ class GenRequest:
     kind: str                           # "chat", "text" or "infill"
     prompt: Union[str, list]            # text, chat messages, or token ids
     sampling: SamplingParams
-    max_tokens: Optional[int]           # None: until EOS or a full context
+    max_tokens: Optional[int]           # None: until EOS or a full context; "infill": 0 reads
+                                        # the prompt into the cache and generates nothing
     stop: tuple = ()
     stream: bool = False
     include_usage: bool = False
