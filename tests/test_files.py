@@ -282,3 +282,22 @@ def test_the_depth_check_is_linear_in_a_crafted_header():
     raw = b'{"a": "' + b'\\"' * 100_000 + b'", "b": [[1]]}'
     assert jsonsafe.nesting_depth(raw) == 3
     assert jsonsafe.loads(raw)["b"] == [[1]]
+
+
+def test_a_store_of_ids_the_model_lacks_never_reaches_a_verify_batch(home, tiny_path):
+    """End to end (the engine builds the store with its target's vocabulary): a store holding
+    ids past the tiny model's 259 is one warning, set aside, and generation gives its text."""
+    import subprocess
+    import sys
+    path, key = store_file.store_path(tiny_path)
+    args = [sys.executable, "-m", "localspec", "generate", "-m", str(tiny_path), "--proposer",
+            "ngram", "--threads", "1", "--ctx", "512", "-n", "24", "--no-learn", "ab ab ab ab"]
+    env = {**os.environ, "LOCALSPEC_HOME": str(home)}
+    plain = subprocess.run(args[:7] + ["none"] + args[8:], capture_output=True, text=True,
+                           env=env, timeout=300)
+    path.write_bytes(container([97, 98, 5000, 6000, BREAK], key=key))
+    run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert plain.returncode == 0 and run.returncode == 0, plain.stderr + run.stderr
+    assert run.stdout == plain.stdout
+    assert "outside the model's vocabulary" in run.stderr
+    assert path.with_name(path.name + ".rejected").exists()

@@ -133,7 +133,8 @@ def make_ngram(config: EngineConfig, target: Model) -> NgramProposer:
     """The n-gram proposer, telling the acceptance model which drafted tokens are line breaks or
     sentence ends (acceptance.token_class) through the target's vocabulary."""
     store = LearningStore.for_model(target.path, target.path.name, config.store_mb,
-                                    config.learn, config.store_disk) if config.store else None
+                                    config.learn, config.store_disk,
+                                    n_vocab=target.n_vocab) if config.store else None
     return NgramProposer(config.ngram_min, config.ngram_max, config.ngram_tie,
                          token_classes=TokenClasses(target.token_piece), store=store)
 
