@@ -29,6 +29,11 @@ CPU_LIB = "libggml-cpu"          # the one library that differs: the patches tou
 TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")   # what click accepts for LOCALSPEC_EXACT
 FALSE_WORDS = ("0", "false", "f", "no", "n", "off")
 INVARIANT_BY_DEFAULT = True      # code edits level with llama.cpp's own (docs/exactness.md)
+# A wheel built with one of these backends runs, by default, exactly the libraries it ships: the
+# patched ggml-cpu is a second build that no GPU run has proven beside a GPU backend, its rows are
+# not what GPU layers compute, and a GPU user's first load must be the one llama-cpp-python runs.
+GPU_BACKEND_LIBS = ("libggml-cuda", "libggml-vulkan", "libggml-metal", "libggml-hip",
+                    "libggml-sycl", "libggml-musa", "libggml-opencl")
 
 
 def exact_requested(environ=os.environ) -> Optional[bool]:
@@ -75,14 +80,30 @@ def _stamp(path: Path) -> tuple:
     return st.st_size, int(st.st_mtime)
 
 
+def gpu_backend(lib: Optional[Path]) -> str:
+    """The GPU backend library llama-cpp-python's `lib` folder holds ("" for a CPU build).
+
+    Example: a folder with libggml-cuda.so -> "libggml-cuda"."""
+    if lib is None or not lib.is_dir():
+        return ""
+    names = [p.name for p in lib.iterdir()]
+    return next((b for b in GPU_BACKEND_LIBS if any(n.startswith(b + ".") for n in names)), "")
+
+
 def choose(exact: Optional[bool], environ=os.environ) -> str:
     """Point llama-cpp-python at the libraries for this process; returns which ones, as a phrase.
-    exact None takes INVARIANT_BY_DEFAULT. Without a usable copy the process loads llama.cpp's
+    exact None takes INVARIANT_BY_DEFAULT, except on a GPU build (GPU_BACKEND_LIBS), which loads
+    the libraries its wheel ships unless --exact asks. Without a usable copy it loads llama.cpp's
     own libraries and the account says why; llama.enable_exact_kernels() then refuses them
     (--exact), while default mode runs on them with the near-tie guard. A LLAMA_CPP_LIB_PATH
     the user set is never overridden."""
     if environ.get("LLAMA_CPP_LIB_PATH"):
         return f"the libraries in LLAMA_CPP_LIB_PATH={environ['LLAMA_CPP_LIB_PATH']}"
+    if exact is None and not environ.get("LOCALSPEC_EXACT_LIB"):
+        backend = gpu_backend(package_lib_dir())
+        if backend:
+            return (f"llama.cpp's own libraries (a GPU build, {backend}: the batch-invariant "
+                    "CPU library is opt-in there, --exact)")
     if not (INVARIANT_BY_DEFAULT if exact is None else exact):
         return "llama.cpp's own libraries"
     folder, problem = exact_lib_status(environ)
