@@ -37,14 +37,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from tools import replay as rp  # noqa: E402
 
 K_LLAMACPP = 64
+
+
+def _from_ms(ms: dict) -> list:
+    """{batch rows: ms} -> r(0..64): r(k) = ms(k + 1) / ms(1), linear between measured sizes,
+    the last slope beyond."""
+    return rp.extend_curve([1.0], K_LLAMACPP, {rows - 1: v / ms[1] for rows, v in ms.items()})
+
+
 # r(k) = cost of verifying k drafts over one plain step; Qwen2.5-Coder-1.5B Q4_K_M, 2 threads.
-# Measured points (docs/design.md's table, issue 45 for Zen 4), then the last slope (what each
-# extra row of a big batch costs: about a prefill token) carried on to k = 64.
+# A pair per CPU: (what localspec's verify batches cost: its batch-invariant ggml-cpu, what
+# llama.cpp's cost: its own kernels). Zen 4: both measured in one session to 64 rows
+# (docs/policy.md, "llama.cpp's CPU kernels by batch size": the tiled K-quant matmul off under
+# 32 rows is what localspec's patch 0002 does, on is llama.cpp's build). The others: the points
+# of docs/design.md's table, one curve for both, its last slope (about what a prefill token
+# costs) carried on to k = 64.
+# 6 and 7 rows were not measured: under the tiled kernel's 8 rows both settings are one kernel,
+# so both take the off column's line from 5 to 8 rows.
+_ZEN4_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 17, 24, 32, 64)
+_ZEN4_ON = (32.6, 55.9, 74.1, 90.6, 113.9, 128.0, 145.0, 217.6, 229.9, 242.0, 264.1, 290.9,
+            244.6, 288.0, 363.1, 398.9, 593.3)
+_ZEN4_OFF = (32.9, 57.2, 76.2, 90.0, 111.0, 128.0, 145.0, 162.1, 180.9, 199.2, 235.3, 273.9,
+             239.6, 263.1, 382.4, 398.9, 593.3)   # 32 and 64 rows: on again from 32 (patch 0002)
+_zen3 = rp.extend_curve([1, 1.48, 1.96, 2.22, 2.68], K_LLAMACPP, {8: 5.86, 16: 8.44})
+_xeon = rp.extend_curve([1, 1.53, 1.75, 1.8, 2.2], K_LLAMACPP, {8: 3.0, 16: 3.9})
+_spr = rp.extend_curve([1, 1.56, 1.74, 1.74, 2.22], K_LLAMACPP, {8: 3.30, 16: 4.17})
 CURVES = {
-    "zen4": rp.extend_curve([1, 1.70, 2.33, 2.70, 3.42, 3.90, 4.46, 5.34, 5.93], K_LLAMACPP),
-    "zen3": rp.extend_curve([1, 1.48, 1.96, 2.22, 2.68], K_LLAMACPP, {8: 5.86, 16: 8.44}),
-    "xeon": rp.extend_curve([1, 1.53, 1.75, 1.8, 2.2], K_LLAMACPP, {8: 3.0, 16: 3.9}),
-    "spr": rp.extend_curve([1, 1.56, 1.74, 1.74, 2.22], K_LLAMACPP, {8: 3.30, 16: 4.17}),
+    "zen4": (_from_ms(dict(zip(_ZEN4_ROWS, _ZEN4_OFF))), _from_ms(dict(zip(_ZEN4_ROWS, _ZEN4_ON)))),
+    "zen3": (_zen3, _zen3),
+    "xeon": (_xeon, _xeon),
+    "spr": (_spr, _spr),
 }
 
 
@@ -165,7 +187,7 @@ def paid_positions(trace: Sequence) -> dict:
     return {s[0] + s[2]: s for s in trace}
 
 
-def why_paid(step: tuple) -> str:
+def why_paid(step: tuple, k_max: int = 16) -> str:
     """Why localspec paid a step for a token that llama.cpp had drafted and got accepted, from
     localspec's step (t, k, n_accepted, n_emitted, matching run of its offer)."""
     t, k, n_acc, _, run = step
@@ -177,37 +199,45 @@ def why_paid(step: tuple) -> str:
         return "its match ran out first"  # drafted, and rejected before this token
     if run > k:
         return "drafted shorter than its match"
-    return "16-token cap" if k >= 16 else "its match ran out first"
+    return f"{k_max}-token cap" if k >= k_max else "its match ran out first"
 
 
-def localspec_policy(prior: Sequence[float]):
-    """A maker of the adaptive policy (scripts/policy_replay.py's "new") believing `prior`."""
+def localspec_policy(prior: Sequence[float], k_max: int = 16):
+    """A maker of the adaptive policy (scripts/policy_replay.py's "new") believing `prior`;
+    k_max over 16 (K_LIMIT) is a what-if: the limit is lifted in this process."""
     from policy_replay import make_policies
-    return make_policies(["new"], list(prior[:17]))["new"]
+    if k_max == 16:
+        return make_policies(["new"], list(prior[:17]))["new"]
+    import localspec.policy.config as pc
+    pc.K_LIMIT = max(pc.K_LIMIT, k_max)
+    return make_policies(["k"], list(prior[:k_max + 1]), variants={"k": {"k_max": k_max}})["k"]
 
 
-def replay_all(cases: Sequence[rp.Recorded], curves: dict, k_cap: int = K_LLAMACPP) -> list:
+def replay_all(cases: Sequence[rp.Recorded], curves: dict, k_cap: int = K_LLAMACPP,
+               ours_k_max: int = 16, tie_margin: float = 0.0) -> list:
     """A row per (curve, case): each policy's speedup and counts, the bound, and the causes of
-    the steps localspec paid where the better llama.cpp drafter had an accepted draft."""
+    the steps localspec paid where the better llama.cpp drafter had an accepted draft.
+    `curves`: {name: (localspec's r(0..64), llama.cpp's)}."""
     rows = []
-    for cname, curve in curves.items():
+    for cname, (curve, stock) in curves.items():
         for c in cases:
             ls_trace: list = []
-            s = rp.replay_case(c, localspec_policy(curve), curve[:17], tie_margin=0.0,
-                               trace=ls_trace, propose_cost=0.002)
+            s = rp.replay_case(c, localspec_policy(curve, ours_k_max), curve[:ours_k_max + 1],
+                               tie_margin=tie_margin, trace=ls_trace, propose_cost=0.002,
+                               k_max=ours_k_max)
             row = {"curve": cname, "case": c.id, "kind": c.kind, "n": len(c.out),
                    "bound_k16": round(rp.bound_case(c, curve[:17], tie_margin=0.0), 4),
                    "localspec": _counts(s)}
             traces = {}
             for name, make in DRAFTERS.items():
                 traces[name] = []
-                row[name] = _counts(replay_drafter(c, make(), curve, k_cap, traces[name]))
+                row[name] = _counts(replay_drafter(c, make(), stock, k_cap, traces[name]))
             best = max(DRAFTERS, key=lambda m: row[m]["speedup"])
             ours = paid_positions(ls_trace)
             theirs = {t + i for (t, k, a, _) in traces[best] for i in range(a)}
             row["best"] = best
             row["paid_where_llamacpp_drafted"] = dict(Counter(
-                why_paid(ours[j]) for j in sorted(theirs) if j in ours))
+                why_paid(ours[j], ours_k_max) for j in sorted(theirs) if j in ours))
             rows.append(row)
     return rows
 
@@ -262,27 +292,41 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("recordings", nargs="+")
     ap.add_argument("--curves", default="zen4,zen3,xeon,spr",
                     help=f"named curves, comma-separated ({', '.join(CURVES)})")
-    ap.add_argument("--curve", action="append", default=[], metavar="NAME=1,r(1),r(2),...",
-                    help="another curve (extended to k = 64 with its last slope); repeatable")
+    ap.add_argument("--curve", action="append", default=[],
+                    metavar="NAME=1,r(1),...[/1,r(1),...]",
+                    help="another curve, localspec's [/ llama.cpp's when its kernels cost "
+                         "otherwise] (extended to k = 64 with the last slope); repeatable")
     ap.add_argument("--kinds", default=None, help="only these kinds (comma-separated)")
     ap.add_argument("--k-cap", type=int, default=K_LLAMACPP,
                     help="cut llama.cpp's drafts to this many tokens (16: localspec's K_LIMIT)")
+    ap.add_argument("--localspec-k-max", type=int, default=16,
+                    help="what if localspec's K_LIMIT (16) were this (lifted in this process)")
+    ap.add_argument("--tie-margin", type=float, default=0.0,
+                    help="localspec's near-tie guard (0: off, as on the CPU with its batch-"
+                         "invariant kernels; 0.25: on, as where batches are not trusted)")
     ap.add_argument("--per-case", action="store_true")
     ap.add_argument("--json", help="also write every row here")
     a = ap.parse_args(argv)
     curves = {name: CURVES[name] for name in a.curves.split(",") if name}
     for text in a.curve:
         name, _, pts = text.partition("=")
-        curves[name] = rp.extend_curve([float(x) for x in pts.split(",")], K_LLAMACPP)
+        ours, _, theirs = pts.partition("/")
+        pair = [rp.extend_curve([float(x) for x in c.split(",")], K_LLAMACPP)
+                for c in (ours, theirs or ours)]
+        curves[name] = tuple(pair)
     cases = [dataclass_with_prefix(c, p, len(a.recordings)) for p in a.recordings
              for c in rp.load(p)]
     if a.kinds:
         cases = [c for c in cases if c.kind in a.kinds.split(",")]
-    rows = replay_all(cases, curves, a.k_cap)
+    rows = replay_all(cases, curves, a.k_cap, a.localspec_k_max, a.tie_margin)
     print_tables(rows, a.per_case)
     if a.json:
-        Path(a.json).write_text(json.dumps({"recordings": a.recordings, "curves": curves,
-                                            "k_cap": a.k_cap, "rows": rows}, indent=1) + "\n")
+        Path(a.json).write_text(json.dumps({
+            "command": " ".join(["python", "tools/llamacpp_replay.py", *(argv or sys.argv[1:])]),
+            "recordings": a.recordings, "k_cap": a.k_cap, "localspec_k_max": a.localspec_k_max,
+            "tie_margin": a.tie_margin, "curves": {n: {"localspec": c[0], "llamacpp": c[1]}
+                                                   for n, c in curves.items()},
+            "rows": rows}) + "\n")
     return 0
 
 
