@@ -240,3 +240,53 @@ def test_llamacpp_modes_cap_exactly_and_match_their_plain(built, tiny_path, work
         assert by[c.id, "llamacpp-plain"].identical, c.id   # same text as localspec's plain
     assert by["edit-textwrap", "llamacpp-plain"].stats["drafted"] == 0
     assert versus_llamacpp(rows)
+
+
+# -- llama.cpp's drafters in the offline replay (tools/llamacpp_replay.py) -------------------------
+def test_replayed_ngram_simple_takes_the_latest_match_with_enough_after_it():
+    from tools.llamacpp_replay import NgramSimple
+    d = NgramSimple(2, 3)
+    assert d.draft([9, 1, 2, 3, 4, 5, 6, 7, 1], 2) == [3, 4, 5]
+    assert d.draft([9, 1, 2, 3, 4, 5, 1, 2, 8, 1], 2) == [8, 1]    # the latest occurrence
+    # the latest has fewer than size_n tokens after it: nothing (the earlier one is not tried)
+    assert d.draft([9, 1, 2, 3, 4, 5, 6, 1, 2, 1], 2) == []
+    assert d.draft([1, 2, 3], 4) == []                     # too short a history
+
+
+def test_replayed_ngram_mod_needs_n_min_lookups_and_adds_windows_in_chunks():
+    from tools.llamacpp_replay import NgramMod
+    prompt = list(range(100, 140)) + list(range(100, 110))  # 40 distinct, then a repeat
+    d = NgramMod(n_match=4, n_min=8, n_max=12)
+    d.begin(prompt[:-1])
+    assert d.draft(prompt[:-1], prompt[-1]) == list(range(110, 122))
+    # the chain of lookups: kept only when at least n_min succeed
+    for n_min, want in ((2, [5, 6]), (3, [])):
+        d = NgramMod(n_match=4, n_min=n_min, n_max=12)
+        d.table, d.i_last = {(1, 2, 3, 4): 5, (2, 3, 4, 5): 6}, 100
+        assert d.draft([0, 1, 2, 3], 4) == want
+    # generated windows join once 32 new tokens exist
+    d = NgramMod(n_match=4, n_min=1, n_max=2)
+    d.begin([7] * 3 + list(range(50)))
+    grown = [7] * 3 + list(range(50)) + list(range(60, 80))
+    assert d.draft(grown + [60, 61, 62], 63) == []              # 22 new tokens: not yet
+    grown += list(range(80, 95))
+    assert d.draft(grown + [60, 61, 62], 63) == [64, 65]
+    # five steps accepting under a quarter clear the table; the next draft rebuilds it
+    for _ in range(5):
+        d.n_draft_last = 12
+        d.accept(0)
+    assert not d.table and d.i_last == 0
+    assert d.draft(grown + [60, 61, 62], 63) == [64, 65]
+
+
+def test_replay_drafter_charges_each_step_its_verify_cost():
+    import tools.replay as rp
+    from tools.llamacpp_replay import NgramSimple, replay_drafter
+    body = list(range(10, 40))
+    case = rp.Recorded("c", "code-edit", [1] + body + [2], body, [9.0] * 30, [1.0] * 30)
+    curve = [1.0 + 0.5 * k for k in range(65)]
+    trace = []
+    s = replay_drafter(case, NgramSimple(3, 8), curve, trace=trace)
+    assert s.accepted == s.drafted and sum(n for *_, n in trace) == 29
+    assert s.cost == pytest.approx(sum(curve[k] for _, k, _, _ in trace))
+    assert s.speedup == pytest.approx(29 / s.cost) and s.speedup > 1
