@@ -18,7 +18,9 @@
 # Usage: scripts/gpu_bundle.sh     Env: PYTHON (default .venv/bin/python), LOCALSPEC_HOME,
 #        GPU_PY_VERSION (3.12), GPU_BUNDLE_MARGIN_MIB (2), GPU_BUNDLE_QWEN=1 (pull the Qwen models
 #        for their specs: 1.6 GB), GPU_IMAGE_PACKAGES (default scripts/gpu_image_packages.txt),
-#        GPU_BUNDLE_OUT (where .gpu and .gpu2 go; default this checkout)
+#        GPU_BUNDLE_OUT (where .gpu and .gpu2 go; default this checkout), GPU_BUNDLE_SPECS (the
+#        specs to carry where their models are cached; default "qwen2.5-coder-1.5b
+#        qwen2.5-coder-0.5b smollm2-135m")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 V=0.3.36                                   # keep in step with install.sh
@@ -130,9 +132,14 @@ spec() {   # catalog file name, spec name; xz: the vocabularies shrink 4x (5.7 -
   fi
   cp -p "$made.xz" "$G/specs/"
 }
-spec qwen2.5-coder-1.5b-instruct-q4_k_m.gguf qwen2.5-coder-1.5b
-spec qwen2.5-coder-0.5b-instruct-q4_k_m.gguf qwen2.5-coder-0.5b
-spec smollm2-135m-instruct-q4_1.gguf smollm2-135m
+rm -f "$G/specs"/*.spec.gguf.xz
+for name in ${GPU_BUNDLE_SPECS:-qwen2.5-coder-1.5b qwen2.5-coder-0.5b smollm2-135m}; do
+  case $name in
+    qwen*) spec "$name-instruct-q4_k_m.gguf" "$name";;
+    smollm2-135m) spec smollm2-135m-instruct-q4_1.gguf smollm2-135m;;
+    *) say "error: no catalog model for the spec $name"; exit 1;;
+  esac
+done
 
 # 4. The real SmolLM2-135M in two parts, the first as large as call 1 allows with this tree.
 fbytes() { find "$@" -type f -printf '%s\n' 2>/dev/null | awk '{s += $1} END {print s + 0}'; }

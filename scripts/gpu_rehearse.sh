@@ -52,7 +52,9 @@ rm -rf "$DIR/tree" "$DIR/image" "$DIR/out1" "$DIR/out2"
 mkdir -p "$DIR/tree" "$DIR/out1" "$DIR/out2"
 git ls-files -co --exclude-standard -z | tar --null -T - --ignore-failed-read -cf - 2>/dev/null \
   | tar -xf - -C "$DIR/tree"
+# No Qwen specs: a CPU cannot make a random 1.5B model in a rehearsal's minutes.
 GPU_PY_VERSION=$PYV GPU_BUNDLE_OUT=$DIR/tree PYTHON=$PY LOCALSPEC_HOME=$HOME_DIR \
+  GPU_BUNDLE_SPECS=smollm2-135m \
   bash scripts/gpu_bundle.sh 2> "$DIR/bundle.log"
 rc=$?
 tail -3 "$DIR/bundle.log" >&2

@@ -6,7 +6,7 @@ Makes sure RESULT_FILE exists and says how the step ended: a JSON result gets a 
 (and, unless the step ended "ok", "log_tail": the last 40 lines of the step's log); a missing JSON
 result is written as {"step", "status", "log_tail"}; a text result (tests.log) gets a last line
 "status: ...". Then prints one line for run.log: the status and the step's headline numbers
-(the diagnostic verdict, identity counts, r(k), overhead shares, bench ratios, pytest's summary).
+(the diagnostic verdict, identity counts, r(k), overhead times, bench ratios, pytest's summary).
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def headline(step: str, data) -> str:
                        if i[mode]["diverged"] else "")
                     for mode in ("ngram", "scripted-k8") if mode in i)
                 for i in data.get("identity", []))
+        if step == "qwen":
+            over = headline("overhead", data.get("overhead") or {})
+            return headline("curve", data) + (f"; overhead: {over}" if over else "")
         if step == "curve":
             parts = [f"{c['model']}: {c['ms_per_step']} ms/step, r(k) "
                      + " ".join(f"{r:.2f}" for r in c["ratios"]) for c in data.get("curves", [])]

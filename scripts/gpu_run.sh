@@ -9,15 +9,18 @@
 #   diagnose    150 s  diagnose.json    one load per process: llama_cpp.Llama, localspec's door,
 #                                       the raw load + one suspect per case; cuda-gdb stacks
 #   identity     90 s  identity.json    greedy speculative == plain (n-gram; scripted k=8)
-#   curve        90 s  curve.json       r(k) for k = 0..16, the policy's k, the draft's cost
+#   curve        90 s  curve.json       r(k) for k = 0..16 and the policy's k (SmolLM2 shape)
 #   overhead     75 s  overhead.json    Python time per step around the device, engine/prototype
 #   bench       120 s  bench.json       the real SmolLM2-135M: plain, ngram, peer
 #   tests       300 s  tests.log        pytest -m device (tests/test_device.py)
+#   qwen        240 s  qwen.json        the Qwen2.5-Coder 1.5B/0.5B shapes (when their specs
+#                                       came): r(k), the draft's cost, the per-step overhead
 #
-# plus run.log (every step's status and headline numbers, all calls so far). At most 8 files.
+# plus run.log (every step's status and headline numbers, all calls so far): at most 8 files a
+# call (a step that waits for a later call writes none).
 # Steps done in an earlier call on the same machine are not run again (.gpu-state/), so the same
-# command is made twice: call 1 carries .gpu (setup ... overhead), call 2 .gpu2 (SmolLM2's second
-# part: bench, tests, and whatever call 1 did not finish). The whole run keeps within
+# command is made twice: call 1 carries .gpu (setup ... overhead, then qwen while time is left),
+# call 2 .gpu2 (SmolLM2's second part: bench, tests, and whatever call 1 did not finish). The whole run keeps within
 # RUN_BUDGET_S (560) seconds: a step gets what is left when less than its own timeout is.
 # On a machine without a GPU (LOCALSPEC_BACKEND=cpu: the rehearsal, tests/test_gpu_rehearsal.py)
 # every step but `tests` runs on the CPU (layers 0) and `tests` says "skipped: no GPU".
@@ -133,8 +136,9 @@ shape_model() {   # shape_model NAME: the random-weight model of a carried spec,
   if [ ! -f "$MODELS/$name.gguf" ]; then
     xz -dkc ".gpu/specs/$name.spec.gguf.xz" > "$MODELS/$name.spec.gguf" || return 1
     echo "making the random $name" >&2
-    "$VPY" scripts/random_gguf.py make "$MODELS/$name.spec.gguf" -o "$MODELS/$name.gguf" \
+    "$VPY" scripts/random_gguf.py make "$MODELS/$name.spec.gguf" -o "$MODELS/$name.part.gguf" \
       --workdir "$MODELS" >&2 || return 1
+    mv "$MODELS/$name.part.gguf" "$MODELS/$name.gguf"       # whole, or not there
   fi
   echo "$MODELS/$name.gguf"
 }
@@ -170,25 +174,41 @@ step_identity() {
 }
 
 step_curve() {
-  local models=() draft=() m
-  if m=$(shape_model qwen2.5-coder-1.5b); then        # the default model's shape first
-    models+=("$m")
-    m=$(shape_model qwen2.5-coder-0.5b) && draft=(--draft "$m")
-  fi
+  local models=() m
   m=$(shape_model smollm2-135m) && models+=("$m")
   join_smollm2 2>/dev/null && models+=("$SMOL")
   [ ${#models[@]} -gt 0 ] || models+=("$(tiny_model)")
-  "$VPY" scripts/gpu_measure.py --what curve,draft --target "${models[0]}" \
-    --also "${models[@]:1}" "${draft[@]}" --gpu-layers "$(layers)" --k-max "${K_MAX:-16}" \
-    ${THREADS:+--threads "$THREADS"} --json "$OUT/curve.json"
+  "$VPY" scripts/gpu_measure.py --what curve --target "${models[0]}" --also "${models[@]:1}" \
+    --gpu-layers "$(layers)" --k-max "${K_MAX:-16}" ${THREADS:+--threads "$THREADS"} \
+    --json "$OUT/curve.json"
+}
+
+overhead() {   # overhead MODEL JSON
+  "$VPY" scripts/step_overhead.py "$1" --gpu-layers "$(layers)" --ks "${KS:-0,4,8,16}" \
+    --tokens "${OVERHEAD_TOKENS:-64}" --reps 1 --fast --profile 8 ${THREADS:+--threads "$THREADS"} \
+    --json "$2"
 }
 
 step_overhead() {
   local m
-  m=$(shape_model qwen2.5-coder-1.5b) || m=$(shape_model smollm2-135m) || m=$(tiny_model)
-  "$VPY" scripts/step_overhead.py "$m" --gpu-layers "$(layers)" --ks "${KS:-0,4,8,16}" \
-    --tokens "${OVERHEAD_TOKENS:-64}" --reps 1 --fast --profile 8 ${THREADS:+--threads "$THREADS"} \
-    --json "$OUT/overhead.json"
+  m=$(shape_model smollm2-135m) || m=$(tiny_model)
+  overhead "$m" "$OUT/overhead.json"
+}
+
+step_qwen() {      # the default model's shape and its draft's: made here (~1 min), then measured
+  [ -f .gpu/specs/qwen2.5-coder-1.5b.spec.gguf.xz ] || {
+    echo "skipped: the bundle holds no Qwen specs (GPU_BUNDLE_SPECS, models pulled here)"; return 4; }
+  local t d draft=()
+  t=$(shape_model qwen2.5-coder-1.5b) || return 1
+  d=$(shape_model qwen2.5-coder-0.5b) && draft=(--draft "$d")
+  "$VPY" scripts/gpu_measure.py --what curve,draft --target "$t" "${draft[@]}" \
+    --gpu-layers "$(layers)" --k-max "${K_MAX:-16}" ${THREADS:+--threads "$THREADS"} \
+    --json "$OUT/qwen.json" || return 1
+  overhead "$t" "$STATE/qwen-overhead.json" || return 1
+  "$VPY" -c 'import json, sys
+q, o = (json.load(open(p)) for p in sys.argv[1:3])
+q["overhead"] = o
+json.dump(q, open(sys.argv[1], "w"), indent=1)' "$OUT/qwen.json" "$STATE/qwen-overhead.json"
 }
 
 step_bench() {
@@ -206,11 +226,12 @@ step_tests() {
   "$VPY" -m pytest -q -p no:cacheprovider -m device tests/ ${TESTS_ARGS:-} > "$OUT/tests.log" 2>&1
 }
 
-STEPS=(setup diagnose identity curve overhead bench tests)
+STEPS=(setup diagnose identity curve overhead bench tests qwen)
 declare -A CAP=([setup]=480 [diagnose]=150 [identity]=90 [curve]=90 [overhead]=75 [bench]=120
-                [tests]=300)
+                [tests]=300 [qwen]=240)
 declare -A RESULT=([setup]=setup.log [diagnose]=diagnose.json [identity]=identity.json
-                   [curve]=curve.json [overhead]=overhead.json [bench]=bench.json [tests]=tests.log)
+                   [curve]=curve.json [overhead]=overhead.json [bench]=bench.json [tests]=tests.log
+                   [qwen]=qwen.json)
 
 if [ "${1:-}" = --one ]; then      # a child: one step, its output in the step's log
   mkdir -p "$MODELS"
@@ -227,6 +248,9 @@ run_step() {
   if [ "$left" -lt 25 ]; then
     status="skipped: out of time (make the same call again)"
     log=/dev/null
+  elif [ ! -f "$OUT/${RESULT[$name]}" ] && [ "$(ls "$OUT" | wc -l)" -ge 8 ]; then
+    status="skipped: 8 files in OUT already, the most a call returns (make the same call again)"
+    rc=3
   else
     t=$(( cap < left - 5 ? cap : left - 5 ))
     say "$name (timeout ${t} s)"
@@ -245,7 +269,9 @@ run_step() {
     esac
     status="$status, $(( $(date +%s) - start )) s"
   fi
-  if [ "$name" = setup ]; then
+  if [ "${rc:-}" = 3 ]; then        # waits for a later call: a line here, no result file yet
+    say "$name: $status"
+  elif [ "$name" = setup ]; then
     [ -f "$OUT/setup.log" ] || cp "$log" "$OUT/setup.log"
     echo "setup: $status" >> "$OUT/setup.log"
     say "setup: $status"
