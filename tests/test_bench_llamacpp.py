@@ -127,6 +127,18 @@ def test_the_binaries_cache_key_is_the_wheels(monkeypatch, tmp_path):
         llamacpp_build.require_tool()
 
 
+def test_cli_without_the_tool_is_one_line_on_how_to_build_it(tiny_path, workloads, tmp_path,
+                                                            monkeypatch, capsys):
+    from localspec.cli.bench import main
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "empty-home"))
+    with pytest.raises(SystemExit) as e:
+        main(["--workloads", str(workloads), "-m", str(tiny_path), "--modes",
+              "plain,llamacpp-mod", "--no-warmup"])
+    err = capsys.readouterr()
+    assert e.value.code == 1 and err.out == ""
+    assert err.err.count("\n") == 1 and "scripts/llamacpp_tools.sh" in err.err
+
+
 def _fake_toolchain(tmp_path, monkeypatch, fail=False):
     """A cmake that records its arguments and 'builds' the tool, a c++, an sdist of one file."""
     bin_ = tmp_path / "fakebin"
