@@ -46,7 +46,8 @@ if [ ! -f "$SD/llama_cpp_python-$V.tar.gz" ]; then
   "$PY" -m pip download -q --no-deps --no-binary llama-cpp-python -d "$SD" "llama-cpp-python==$V" \
     || { say "error: could not download llama-cpp-python's sdist (no package index?)"; exit 75; }
 fi
-if [ ! -f "$TRIM" ] || ! tar tzf "$TRIM" | grep -q "ggml/src/ggml-rpc/"; then
+# (grep -c, not -q: an early exit would kill tar with SIGPIPE, and pipefail would call that a miss)
+if [ ! -f "$TRIM" ] || [ "$(tar tzf "$TRIM" | grep -c "ggml/src/ggml-rpc/")" = 0 ]; then
   say "trimming llama-cpp-python's sdist"
   tar xzf "$SD/llama_cpp_python-$V.tar.gz" -C "$TMP"
   R="$TMP/llama_cpp_python-$V"
