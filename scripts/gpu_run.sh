@@ -19,8 +19,9 @@
 # plus run.log (every step's status and headline numbers, all calls so far): at most 8 files a
 # call (a step that waits for a later call writes none).
 # Steps done in an earlier call on the same machine are not run again (.gpu-state/), so the same
-# command is made twice: call 1 carries .gpu (setup ... overhead, then qwen while time is left),
-# call 2 .gpu2 (SmolLM2's second part: bench, tests, and whatever call 1 did not finish). The whole run keeps within
+# command is made twice: call 1 carries .gpu (setup ... overhead), call 2 .gpu2 (SmolLM2's
+# second part: bench, tests, qwen, and whatever call 1 did not finish). A step that waits for a
+# later call holds back the steps after it: they are worth less. The whole run keeps within
 # RUN_BUDGET_S (560) seconds: a step gets what is left when less than its own timeout is.
 # On a machine without a GPU (LOCALSPEC_BACKEND=cpu: the rehearsal, tests/test_gpu_rehearsal.py)
 # every step but `tests` runs on the CPU (layers 0) and `tests` says "skipped: no GPU".
@@ -278,7 +279,8 @@ run_step() {
   else
     say "$("$IMAGE_PYTHON" scripts/gpu_result.py "$name" "$OUT/${RESULT[$name]}" "$status" "$log")"
   fi
-  [ "$name" != setup ] || [ -f "$STATE/setup.done" ]     # no setup, no later step
+  [ "$name" != setup ] || [ -f "$STATE/setup.done" ] || return 1   # no setup, no later step
+  [ "${rc:-}" != 3 ] || return 3
 }
 
 steps=("$@")
@@ -287,8 +289,19 @@ for s in "${steps[@]}"; do
   [ -n "${CAP[$s]:-}" ] || { echo "unknown step $s (steps: ${STEPS[*]})" >&2; exit 2; }
 done
 say "gpu_run.sh ${steps[*]} (budget ${BUDGET} s; $(nproc) cores; OUT=$OUT)"
+# In order of value: once a step waits for a later call, the steps after it wait too (the GPU time
+# a call leaves unused is the next call's).
+waiting=""
 for s in "${steps[@]}"; do
-  run_step "$s" || { say "setup did not finish: nothing else can run (make the same call again)"; break; }
+  if [ -n "$waiting" ]; then
+    [ -f "$STATE/$s.done" ] && [ -z "${FORCE:-}" ] || say "$s: waits for $waiting (a later call)"
+    continue
+  fi
+  run_step "$s"
+  case $? in
+    1) say "setup did not finish: nothing else can run (make the same call again)"; break;;
+    3) waiting=$s;;
+  esac
 done
 left=()
 for s in "${STEPS[@]}"; do [ -f "$STATE/$s.done" ] || left+=("$s"); done
