@@ -274,17 +274,17 @@ class Server:
         return DEFERRED
 
     def _task(self, rid, params, method: str):
-        """A completion replaces any earlier one still queued or running (the cursor moved),
-        and a prefill any earlier prefill (another buffer came to the front); a completion
-        leaves a prefill to finish (it will need those rows). A refused request (a bad or
-        duplicate id, shutting down) changes nothing."""
+        """A completion replaces any earlier completion or prefill still queued or running
+        (the cursor moved; the chunks a prefill has read stay in the KV cache, so the new
+        prompt reuses them where it shares them), and a prefill any earlier prefill. A refused
+        request (a bad or duplicate id, shutting down) changes nothing."""
         job = parse_task(rid, method, params)
+        replaces = {"complete": ("complete", "prefill"), "prefill": ("prefill",)}.get(method, ())
         with self._lock:                    # the checks and the cancel as one step
             self._admissible(rid)
-            if method in ("complete", "prefill"):
-                for other in self._jobs.values():
-                    if other.kind == method:
-                        other.cancel.set()
+            for other in self._jobs.values():
+                if other.kind in replaces:
+                    other.cancel.set()
             return self._generate(rid, params, job)
 
     def _admissible(self, rid) -> None:
