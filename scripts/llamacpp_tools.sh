@@ -9,4 +9,4 @@
 #        LOCALSPEC_HOME, LOCALSPEC_LLAMA_SRC, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS (as install.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-.venv/bin/python}" -m localspec.bench.llamacpp_build "$@"
+exec "${PYTHON:-.venv/bin/python}" -c "import sys; from localspec.bench.llamacpp_build import main; sys.exit(main(sys.argv[1:]))" "$@"

@@ -232,7 +232,10 @@ def test_the_tool_reads_the_rendered_prompt_whole(built, tiny_path, tiny_model):
     tool = llamacpp.LlamaCppTool("llamacpp-plain", tiny_path, 512, 1, 0)
     out = tool.run(prompt, SamplingParams(), 8)
     assert out.generated_tokens == 8 and out.stop_reason == "length"
-    assert "--no-escape" in tool.last_command
+    # what it tokenized: the same tokens as ours (its echo renders BOS as "<s>", ours as "")
+    ours = tiny_model.tokenize(prompt, add_special=True, parse_special=True)
+    assert tool.last_run.n_prompt == len(ours)
+    assert tool.last_run.echo == "<s>" + llamacpp.logged_text(tiny_model, ours)
 
 
 def test_llamacpp_modes_cap_exactly_and_match_their_plain(built, tiny_path, workloads):

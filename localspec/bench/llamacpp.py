@@ -105,12 +105,16 @@ def parse(jsonl: str) -> Run:
     if n_prompt is None or not out:
         raise LocalspecError(f"{TOOL} logged no prompt count; not the expected version?")
     first = 1 + n_prompt                      # after "\n\n" and the prompt's echo
+    if len(step_ends) > 1:                    # the first step printed all it accepted, + 1:
+        end, _, accepted = step_ends[0]       # robust to other output before the echo
+        first = end - accepted - 1
     steps, at = [], first
     for end, drafted, accepted in step_ends:
         steps.append((end - at, drafted, accepted))
         at = end
-    return Run(n_prompt, "".join(m for m, _ in out[1:first]),
-               out[1][1] if len(out) > 1 else out[0][1], out[first:at], steps)
+    echo = out[max(0, first - n_prompt):first]
+    return Run(n_prompt, "".join(m for m, _ in echo), echo[0][1] if echo else out[0][1],
+               out[first:at], steps)
 
 
 def outcome(run: Run, max_tokens: int) -> Outcome:
@@ -137,6 +141,16 @@ def outcome(run: Run, max_tokens: int) -> Outcome:
                    stats, timed_tokens=max(1, timed))
 
 
+def logged_text(model, tokens) -> str:
+    """`tokens` as the tool's log shows them: each token's bytes decoded on its own, invalid UTF-8
+    replaced (JSON cannot carry a token that ends inside a character), end-of-generation tokens
+    left out; what a llama.cpp mode's text is compared with.
+
+    Example: the three byte tokens of "é" + "!" (0xC3, 0xA9, "!") -> "\ufffd\ufffd!"."""
+    return "".join(model.token_piece(t).decode("utf-8", "replace") for t in tokens
+                   if not model.is_eog(t))
+
+
 class LlamaCppTool:
     """Runs one llamacpp-* mode of the bench: the binary is checked at construction (a one-line
     error says how to build it), each run writes the prompt to a file and reads the log back."""
@@ -149,6 +163,7 @@ class LlamaCppTool:
         self.n_ctx, self.n_threads, self.n_gpu_layers = n_ctx, n_threads, n_gpu_layers
         self.tool = require_tool()
         self.last_command: list = []
+        self.last_run: Optional[Run] = None
 
     def run(self, prompt: str, sampling: SamplingParams, max_tokens: int) -> Outcome:
         with tempfile.TemporaryDirectory(prefix="localspec-llamacpp-") as d:
@@ -167,7 +182,8 @@ class LlamaCppTool:
                     if ln.strip()][-1:] or ["?"]
             raise LocalspecError(f"{TOOL} ({self.mode}) exited with {r.returncode}: "
                                  f"{tail[0][:300]}")
-        return outcome(parse(text), max_tokens)
+        self.last_run = parse(text)
+        return outcome(self.last_run, max_tokens)
 
     def close(self) -> None:
         pass

@@ -24,7 +24,7 @@ from ..llama import Model, default_threads, library_account, system_info
 from ..policy.config import K_LIMIT, PolicyConfig
 from ..speculative.sampling import SamplingParams, top2_gap
 from .engine_run import run_engine, run_lockstep
-from .llamacpp import MODES as LLAMACPP_MODES, PLAIN as LLAMACPP_PLAIN, LlamaCppTool
+from .llamacpp import MODES as LLAMACPP_MODES, PLAIN as LLAMACPP_PLAIN, LlamaCppTool, logged_text
 from .llamacpp_build import require_tool
 from .peer import PEER_K, Peer
 from .report import (Row, first_difference, make_row, merge_rounds, summarize,
@@ -266,14 +266,16 @@ class Bench:
             self._remember(outs, prompt)
             plain, peer = outs.get("plain"), outs.get(peer_name)
             load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+            logged = [self._as_logged(o) for o in rounds] if self.llamacpp else rounds
             for mode in self.modes:
-                row = make_row(case, mode, n_prompt, outs[mode.name], plain, peer, greedy,
-                               outs.get(mode.reference))
+                seen = logged if mode.is_llamacpp else rounds    # plain's text as its log shows
+                row = make_row(case, mode, n_prompt, outs[mode.name], seen[0].get("plain"), peer,
+                               greedy, outs.get(mode.reference))
                 if mode.is_llamacpp and LLAMACPP_PLAIN in outs and greedy:
                     row.stats["text_as_llamacpp_plain"] = \
                         outs[mode.name].text == outs[LLAMACPP_PLAIN].text
                 if len(rounds) > 1:
-                    merge_rounds(row, mode, rounds, peer_name,
+                    merge_rounds(row, mode, seen, peer_name,
                                  mode.reference if mode.reference in outs else "plain")
                 row.load_avg = load
                 if row.identical is False and greedy and "plain" in self.engines and \
@@ -288,6 +290,13 @@ class Bench:
             if on_case is not None:
                 on_case(self.rows)
         return self.rows
+
+    def _as_logged(self, outs: dict) -> dict:
+        """{mode name: Outcome} with plain's text as llama.cpp's log would show its tokens."""
+        plain = outs.get("plain")
+        if plain is None or plain.tokens is None:
+            return outs
+        return {**outs, "plain": replace(plain, text=logged_text(self.model, plain.tokens))}
 
     def _stores(self):
         return [(m.name, self.engines[m.name].proposer.store) for m in self.modes
