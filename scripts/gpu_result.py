@@ -51,9 +51,10 @@ def headline(step: str, data) -> str:
             return "; ".join(f"{r['step']} k={r['k']} {r['mode']}: device {r['device_ms']:.2f} ms,"
                              f" overhead {r['overhead_ms']:.2f} ms" for r in data.get("rows", []))
         if step == "bench":
-            return "; ".join(f"{s['mode']} {s['geomean_ratio']}x plain, {s['decode_tps']} tok/s, "
-                             f"{s['identical']}/{s['compared']} identical"
-                             for s in data.get("summary", []) if s.get("kind") == "all")
+            return "; ".join(f"{s['mode']} {s['decode_tps']} tok/s" + (
+                "" if s["mode"] == "plain" else f", {s['geomean_ratio']}x plain, "
+                f"{s['identical']}/{s['compared']} identical")
+                for s in data.get("summary", []) if s.get("kind") == "all")
     except (KeyError, TypeError, AttributeError) as e:
         return f"(result unreadable: {e!r})"
     return ""
