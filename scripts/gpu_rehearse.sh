@@ -43,9 +43,14 @@ fi
 PYV=$("$IPY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 say "the image's Python: $IPY ($PYV)"
 
-WHEELDIRS=$(ls -d "$HOME_DIR"/wheels/llama-cpp-python-*/ 2>/dev/null | grep -v -e '\.tmp/$' -e invariant || true)
+# The CPU wheel install.sh would look for with LOCALSPEC_BACKEND=cpu (its key, as install.sh
+# makes it): without it setup would build llama.cpp, 15 minutes on 2 cores.
+ARGS=$(LOCALSPEC_BACKEND=cpu "$PY" localspec/llama/buildflags.py --explain 2>/dev/null)
+KEY=$("$PY" -c 'import hashlib,sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:12])' \
+      "$(sed -n 's/^LLAMA_CPP_PYTHON=\([^ ]*\).*/\1/p' install.sh) $(uname -s) $(uname -m) $ARGS")
+WHEELDIRS=$(ls -d "$HOME_DIR"/wheels/llama-cpp-python-*-"$KEY"/ 2>/dev/null || true)
 WHEELDIRS=$(for d in $WHEELDIRS; do ls "$d"/llama_cpp_python-*.whl >/dev/null 2>&1 && echo "$d"; done)
-[ -n "$WHEELDIRS" ] || { say "no llama-cpp-python wheel cached in $HOME_DIR/wheels: run ./install.sh"; exit 75; }
+[ -n "$WHEELDIRS" ] || { say "no CPU llama-cpp-python wheel (key $KEY) cached in $HOME_DIR/wheels: run ./install.sh (LOCALSPEC_BACKEND=cpu)"; exit 75; }
 
 # 1. What a call sends, and the bundle for it.
 rm -rf "$DIR/tree" "$DIR/image" "$DIR/out1" "$DIR/out2"
