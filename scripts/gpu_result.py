@@ -12,6 +12,7 @@ result is written as {"step", "status", "log_tail"}; a text result (tests.log) g
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -81,8 +82,8 @@ def main(argv) -> int:
         if not text and status != "ok":
             text = "\n".join(tail(log)) + "\n"
         path.write_text(text + f"status: {status}\n")
-        summary = [ln for ln in text.splitlines() if ln.startswith("=") and (
-            " passed" in ln or " failed" in ln or " error" in ln or " skipped" in ln)]
+        summary = [ln for ln in text.splitlines() if re.search(      # pytest's last line, -q or not
+            r"\b(passed|failed|errors?|skipped|deselected)\b.* in [0-9.]+s", ln)]
         line = summary[-1].strip("= ") if summary else ""
     print(f"{step}: {status}" + (f"; {line}" if line else ""))
     return 0

@@ -195,9 +195,9 @@ def test_gpu_result_writes_a_stub_for_a_step_that_left_none(tmp_path, capsys):
     (tmp_path / "curve.json").write_text(json.dumps({"curves": [
         {"model": "m.gguf", "ms_per_step": 2.5, "ratios": [1.0, 1.01]}]}))
     gr.main(["curve", str(tmp_path / "curve.json"), "ok, 9 s"])
-    (tmp_path / "tests.log").write_text("..\n===== 19 passed in 80.0s =====\n")
+    (tmp_path / "tests.log").write_text("..\n19 passed, 600 deselected in 80.0s\n")
     gr.main(["tests", str(tmp_path / "tests.log"), "ok, 81 s"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "curve: ok, 9 s; m.gguf: 2.5 ms/step, r(k) 1.00 1.01"
-    assert lines[2] == "tests: ok, 81 s; 19 passed in 80.0s"
+    assert lines[2] == "tests: ok, 81 s; 19 passed, 600 deselected in 80.0s"
     assert (tmp_path / "tests.log").read_text().endswith("status: ok, 81 s\n")
