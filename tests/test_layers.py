@@ -121,3 +121,24 @@ def test_one_module_imports_llama_cpp():
                if imports_of(p, "localspec.x", prefix="llama_cpp")]
     # the bench's peer runs llama-cpp-python's own high-level lookup decoding, by design
     assert set(holders) <= {"llama/backend.py", "bench/peer.py"}, holders
+
+
+def test_the_readme_layout_table_names_every_folder_and_nothing_gone():
+    """README's layout table matches the tree: each package part and top-level folder is named,
+    and every path it names exists."""
+    import re
+    root = PACKAGE.parent
+    text = (root / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("## Layout"):]
+    named = set(re.findall(r"`([\w./-]+)`", table.split("\n\n")[1]))
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.split()
+    parts = {f"localspec/{t.split('/')[1]}/" if t.count("/") > 1 else t.split("/")[1]
+             for t in tracked if t.startswith("localspec/") and not t.split("/")[1][0] in "_."}
+    tops = {t.split("/")[0] + "/" for t in tracked
+            if "/" in t and not t.startswith((".", "localspec/"))}
+    missing = sorted((parts | tops) - named)
+    assert not missing, f"README's layout table does not name {missing}"
+    gone = sorted(n for n in named if "/" in n and not (root / n).exists()
+                  and not (PACKAGE / n).exists())
+    assert not gone, f"README's layout table names paths that are gone: {gone}"
