@@ -7,8 +7,9 @@ an engine change, a result file not written: each fails here, not in a GPU machi
 
 Skipped (with the reason) when no llama-cpp-python wheel is cached under the user's localspec
 cache (./install.sh makes it), when git or xz is missing, when the bundle cannot reach PyPI for
-its first download (exit 75), or with LOCALSPEC_REHEARSAL=0. About 4-7 minutes on 2 cores (the
-first run also downloads the 3.12 wheels, ~65 MB, and the sdist, 77 MB, into the cache)."""
+its first download (exit 75), or with LOCALSPEC_REHEARSAL=0. About 2-4 minutes on 2 shared
+cores (the first run also downloads the 3.12 wheels, ~65 MB, and the sdist, 77 MB, into the
+cache, and trims the sdist)."""
 
 from __future__ import annotations
 
