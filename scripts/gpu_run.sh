@@ -24,8 +24,8 @@
 # later call holds back the steps after it: they are worth less. The whole run keeps within
 # RUN_BUDGET_S (560) seconds: a step gets what is left when less than its own timeout is.
 # On a machine without a GPU (LOCALSPEC_BACKEND=cpu: the rehearsal, tests/test_gpu_rehearsal.py)
-# every step but `tests` runs on the CPU (layers 0) and `tests` says "skipped: no GPU"; a GPU
-# step is one the build sees a GPU device for (setup.log: "GPU devices: N").
+# every step but `tests` runs on the CPU (layers 0) and `tests` says "skipped: no GPU" (GPU or
+# not: whether the build sees a GPU device, setup.log's "GPU devices: N").
 # Usage: scripts/gpu_run.sh [STEP ...]     (default: every step not done yet)
 # Env: OUT, RUN_BUDGET_S, GPU_LAYERS, IMAGE_PYTHON (python3), FORCE=1 (redo done steps),
 #      <STEP>_TIMEOUT (SETUP_TIMEOUT, ...), DIAG_CASES, DIAG_CASE_TIMEOUT (40), TOKENS (32),
