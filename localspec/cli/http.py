@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from ..apps.openai_api import DEFAULT_MAX_BODY, DEFAULT_QUEUE, HttpSettings
+from ..apps.openai_api import DEFAULT_MAX_BODY, DEFAULT_QUEUE, HttpSettings, api_key_problem
 from ..apps.supervise import LISTEN_FD, HttpSupervisor, supervised
 from ..errors import LocalspecError
 from .options import open_engine
@@ -88,10 +88,9 @@ def run_http(kw: dict, *, learn: bool) -> None:
         host, port = parse_bind(kw["http_bind"])
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--http'")
-    if kw["api_key"] is not None and not kw["api_key"].strip():
-        raise click.BadParameter("an empty key would let no client in (or, trimmed, anyone); "
-                                 "give a real key or leave the option out",
-                                 param_hint="'--api-key' / LOCALSPEC_API_KEY")
+    problem = api_key_problem(kw["api_key"])
+    if problem:
+        raise click.BadParameter(problem, param_hint="'--api-key' / LOCALSPEC_API_KEY")
     settings = HttpSettings(host, port, kw["api_key"], kw["max_body"], kw["max_queue"],
                             kw["model"])
     inherited = os.environ.pop(LISTEN_FD, None)     # a child of HttpSupervisor: its socket
