@@ -202,19 +202,22 @@ def why_paid(step: tuple, k_max: int = 16) -> str:
     return f"{k_max}-token cap" if k >= k_max else "its match ran out first"
 
 
-def localspec_policy(prior: Sequence[float], k_max: int = 16):
-    """A maker of the adaptive policy (scripts/policy_replay.py's "new") believing `prior`;
-    k_max over 16 (K_LIMIT) is a what-if: the limit is lifted in this process."""
+def localspec_policy(prior: Sequence[float], k_max: int = 16, settings: Optional[dict] = None):
+    """A maker of the adaptive policy (scripts/policy_replay.py's "new") believing `prior`, with
+    `settings` changed (policy_replay's --variant keys); k_max over 16 (K_LIMIT) is a what-if:
+    the limit is lifted in this process."""
     from policy_replay import make_policies
-    if k_max == 16:
+    if k_max == 16 and not settings:
         return make_policies(["new"], list(prior[:17]))["new"]
     import localspec.policy.config as pc
     pc.K_LIMIT = max(pc.K_LIMIT, k_max)
-    return make_policies(["k"], list(prior[:k_max + 1]), variants={"k": {"k_max": k_max}})["k"]
+    variant = {**(settings or {}), "k_max": k_max}
+    return make_policies(["k"], list(prior[:k_max + 1]), variants={"k": variant})["k"]
 
 
 def replay_all(cases: Sequence[rp.Recorded], curves: dict, k_cap: int = K_LLAMACPP,
-               ours_k_max: int = 16, tie_margin: float = 0.0) -> list:
+               ours_k_max: int = 16, tie_margin: float = 0.0,
+               settings: Optional[dict] = None) -> list:
     """A row per (curve, case): each policy's speedup and counts, the bound, and the causes of
     the steps localspec paid where the better llama.cpp drafter had an accepted draft.
     `curves`: {name: (localspec's r(0..64), llama.cpp's)}."""
@@ -222,7 +225,8 @@ def replay_all(cases: Sequence[rp.Recorded], curves: dict, k_cap: int = K_LLAMAC
     for cname, (curve, stock) in curves.items():
         for c in cases:
             ls_trace: list = []
-            s = rp.replay_case(c, localspec_policy(curve, ours_k_max), curve[:ours_k_max + 1],
+            s = rp.replay_case(c, localspec_policy(curve, ours_k_max, settings),
+                               curve[:ours_k_max + 1],
                                tie_margin=tie_margin, trace=ls_trace, propose_cost=0.002,
                                k_max=ours_k_max)
             row = {"curve": cname, "case": c.id, "kind": c.kind, "n": len(c.out),
@@ -304,6 +308,9 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--tie-margin", type=float, default=0.0,
                     help="localspec's near-tie guard (0: off, as on the CPU with its batch-"
                          "invariant kernels; 0.25: on, as where batches are not trusted)")
+    ap.add_argument("--localspec-settings", metavar="key=value,...",
+                    help="localspec's policy with these settings changed (policy_replay.py's "
+                         "--variant keys, e.g. loss_budget=0.3,min_gain=1.15)")
     ap.add_argument("--per-case", action="store_true")
     ap.add_argument("--json", help="also write every row here")
     a = ap.parse_args(argv)
@@ -318,7 +325,11 @@ def main(argv: Optional[list] = None) -> int:
              for c in rp.load(p)]
     if a.kinds:
         cases = [c for c in cases if c.kind in a.kinds.split(",")]
-    rows = replay_all(cases, curves, a.k_cap, a.localspec_k_max, a.tie_margin)
+    settings = None
+    if a.localspec_settings:
+        from policy_replay import parse_variants
+        settings = parse_variants([f"x:{a.localspec_settings}"])["x"]
+    rows = replay_all(cases, curves, a.k_cap, a.localspec_k_max, a.tie_margin, settings)
     print_tables(rows, a.per_case)
     if a.json:
         Path(a.json).write_text(json.dumps({
