@@ -3,10 +3,11 @@
 # --modes ...,llamacpp-mod,llamacpp-simple`: from the installed llama-cpp-python's vendored
 # llama.cpp (its sdist, cached under $LOCALSPEC_HOME/sdist) with install.sh's CMake flags
 # (localspec/llama/buildflags.py), into $LOCALSPEC_HOME/llamacpp-bin/llama-cpp-python-VER-KEY/
-# (KEY: the wheel's). ~10-20 min on 2 cores the first time, seconds after. Progress on stderr,
-# the binary's path on stdout; a failure is one line naming the build log.
+# (KEY: the wheel's). 9 CPU-minutes the first time (~5 min on 2 idle cores), seconds after.
+# Progress on stderr, the binary's path on stdout; a failure is one line naming the build log.
 # Usage: scripts/llamacpp_tools.sh [--path]     Env: PYTHON (default .venv/bin/python),
 #        LOCALSPEC_HOME, LOCALSPEC_LLAMA_SRC, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS (as install.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-.venv/bin/python}" -c "import sys; from localspec.bench.llamacpp_build import main; sys.exit(main(sys.argv[1:]))" "$@"
+exec "${PYTHON:-.venv/bin/python}" -c \
+  "import sys; from localspec.bench.llamacpp_build import main; sys.exit(main(sys.argv[1:]))" "$@"

@@ -102,8 +102,9 @@ def test_parse_modes_adds_llamacpp_plain_as_the_reference():
 def test_versus_llamacpp_divides_ratios_case_by_case():
     def row(case, mode, ratio):
         return Row(case, "code-edit", mode, 10, 20, 5.0, 10.0, ratio, None, None, None, True)
-    rows = [row("a", "ngram", 1.5), row("a", "llamacpp-mod", 1.4), row("a", "llamacpp-simple", 1.25),
-            row("a", "llamacpp-plain", 1.02), row("b", "ngram", 1.0), row("b", "llamacpp-mod", 1.0)]
+    rows = [row("a", "ngram", 1.5), row("a", "llamacpp-mod", 1.4),
+            row("a", "llamacpp-simple", 1.25), row("a", "llamacpp-plain", 1.02),
+            row("b", "ngram", 1.0), row("b", "llamacpp-mod", 1.0)]
     v = {(x["kind"], x["mode"]): x for x in versus_llamacpp(rows)}
     edit = v["code-edit", "ngram"]
     assert edit["vs"]["llamacpp-mod"] == pytest.approx((1.5 / 1.4) ** 0.5, abs=1e-3)

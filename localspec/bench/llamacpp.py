@@ -174,14 +174,15 @@ class LlamaCppTool:
                           self.n_ctx, self.n_threads, self.n_gpu_layers, sampling)
             self.last_command = cmd
             with open(log_file, "wb") as out:        # a file, not a pipe: the tool never waits
-                r = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, "LLAMA_ARG_LOG_COLORS": "off"})
+                r = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE,
+                                   stdin=subprocess.DEVNULL)
             text = log_file.read_text(encoding="utf-8", errors="replace")
-        if r.returncode != 0:
+        if r.returncode != 0:       # its log is lost when it crashes (it does on a bad model)
             tail = [ln for ln in (r.stderr.decode(errors="replace") + text).splitlines()
-                    if ln.strip()][-1:] or ["?"]
-            raise LocalspecError(f"{TOOL} ({self.mode}) exited with {r.returncode}: "
-                                 f"{tail[0][:300]}")
+                    if ln.strip()][-1:] or ["no output"]
+            how = f"signal {-r.returncode}" if r.returncode < 0 else f"status {r.returncode}"
+            raise LocalspecError(f"{TOOL} ({self.mode}) ended with {how}: {tail[0][:300]} "
+                                 f"(command: {' '.join(cmd)})")
         self.last_run = parse(text)
         return outcome(self.last_run, max_tokens)
 

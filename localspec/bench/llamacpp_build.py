@@ -85,8 +85,9 @@ def require_tool(name: str = TOOL) -> Path:
     """The built binary, or a one-line error saying how to build it."""
     path = tool_path(name)
     if not path.is_file():
-        raise LocalspecError(f"llama.cpp's {name} is not built for this flag set ({path.parent.name})"
-                             f"; build it once (~10-20 min on 2 cores): {BUILD_COMMAND}")
+        raise LocalspecError(f"llama.cpp's {name} is not built for this flag set "
+                             f"({path.parent.name}); build it once (9 CPU-minutes): "
+                             f"{BUILD_COMMAND}")
     return path
 
 
@@ -191,8 +192,8 @@ def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = 
         log_path = out.parent / f"{out.name}.build.log"
         t0 = time.monotonic()
         say(f"building llama.cpp's {', '.join(TARGETS)} from llama-cpp-python {ver}'s vendored "
-            f"source with install.sh's flags ({jobs} jobs; ~10-20 min on 2 cores; log: "
-            f"{log_path})")
+            f"source with install.sh's flags ({jobs} jobs; 9 CPU-minutes, ~5 min on 2 idle "
+            f"cores; log: {log_path})")
         with tempfile.TemporaryDirectory(prefix="llamacpp-build-") as work, \
                 open(log_path, "w") as log:
             work = Path(work)

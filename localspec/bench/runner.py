@@ -264,7 +264,7 @@ class Bench:
                 rounds.append(outs)
             outs = rounds[0]
             self._remember(outs, prompt)
-            plain, peer = outs.get("plain"), outs.get(peer_name)
+            peer = outs.get(peer_name)
             load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
             logged = [self._as_logged(o) for o in rounds] if self.llamacpp else rounds
             for mode in self.modes:
