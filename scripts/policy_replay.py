@@ -6,7 +6,7 @@ model needs, fit its prior, and replay policies offline against any cost curve.
     python scripts/policy_replay.py replay out.json [--curve here|epyc|xeon|FILE.json|1,1.5,...]
            [--prior-curve ...] [--policies old,new] [--cv] [--threads 2] [--per-case]
            [--timing-noise 0.08] [--variant NAME:min_gain=1.2,...] [--calibration]
-           [--shortfall] [--refit-on other.json,...]
+           [--shortfall] [--refit-on other.json,...] [--llamacpp]
     python scripts/policy_replay.py fit out.json [more.json ...] [--folds 2]
 
 Greedy speculation emits plain decoding's tokens, so every step can be scored without the model
@@ -23,7 +23,10 @@ policy with some settings changed (what a design question usually is), `--calibr
 where its acceptance model over- or under-predicts, per kind and draft length, `--shortfall`
 where it falls short of the bound and why (scripts/replay_watch.py); `--refit-on`
 adds the adaptive policy with its acceptance prior refitted on other recordings (the replayed
-one left out), which is how a prior fitted on more data is judged.
+one left out), which is how a prior fitted on more data is judged. `--llamacpp` adds llama.cpp's
+own drafters, ngram-simple and ngram-mod (tools/llamacpp_replay.py, which also gives each tool
+its own curve and says per case why localspec paid a step), charged on the curve extended to
+k = 64 with its last slope.
 """
 
 from __future__ import annotations
@@ -242,11 +245,19 @@ def replay(a) -> None:
     shortfall = defaultdict(lambda: [0, 0, 0.0, 0, 0.0])   # (name, kind, where) -> sums
     costs = defaultdict(lambda: [0.0, 0.0])     # (name, kind) -> [its cost, the bound's]
     t0 = time.perf_counter()
+    if a.llamacpp:
+        from tools import llamacpp_replay as lr
+        long_curve = rp.extend_curve(curve, lr.K_LLAMACPP)
+        names += [n for n in lr.DRAFTERS if n not in names]
     for c in cases:
         w = cv[0][cv[1][c.id]] if cv else None
         b = rp.bound_case(c, curve, tie_margin=a.tie_margin)
         bounds[c.kind].append((c, b))
-        for name, make in make_policies(names, prior, w, variants, refit).items():
+        if a.llamacpp:
+            for name, drafter in lr.DRAFTERS.items():
+                scores[name][c.kind].append((c, lr.replay_drafter(c, drafter(), long_curve)))
+        for name, make in make_policies([n for n in names if not (a.llamacpp and n in lr.DRAFTERS)],
+                                        prior, w, variants, refit).items():
             if a.calibration:
                 make = (lambda make=make, key=(name, c.kind):
                         Calibrated(make(), curve, calibration, key))
@@ -262,10 +273,11 @@ def replay(a) -> None:
     if a.per_case:
         print_cases(names, scores, bounds)
     print_table(names, scores, bounds)
+    ours = [n for n in names if not (a.llamacpp and n in lr.DRAFTERS)]
     if a.calibration:
-        print_calibration(names, calibration)
+        print_calibration(ours, calibration)
     if a.shortfall:
-        print_shortfall(names, shortfall, costs)
+        print_shortfall(ours, shortfall, costs)
     print(f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
 
 
@@ -367,6 +379,10 @@ def main() -> None:
                      help="also replay the adaptive policy as `refit`, its acceptance prior "
                           "fitted on these recordings (the replayed one left out): does more "
                           "or other data make a better prior than the shipped one?")
+    rep.add_argument("--llamacpp", action="store_true",
+                     help="also replay llama.cpp's ngram-simple and ngram-mod drafters "
+                          "(tools/llamacpp_replay.py; their drafts run to 64 tokens, charged on "
+                          "the curve extended with its last slope)")
     rep.add_argument("--timing-noise", type=float, default=0.0, metavar="SIGMA",
                      help="tell the policies jittered step times (log-normal SIGMA, e.g. 0.08, "
                           "and 3%% descheduled steps), as a shared machine does; scores still "
