@@ -253,6 +253,7 @@ def test_llamacpp_modes_cap_exactly_and_match_their_plain(built, tiny_path, work
             assert r.generated_tokens == plain.generated_tokens <= c.max_tokens, (c.id, m)
             assert r.stats["text_as_llamacpp_plain"] is True or m == "llamacpp-plain", (c.id, m)
             assert r.ratio is not None and r.decode_tps > 0
+            assert r.stats["tool_printed"] >= r.generated_tokens
         assert by[c.id, "llamacpp-plain"].identical, c.id   # same text as localspec's plain
     assert by["edit-textwrap", "llamacpp-plain"].stats["drafted"] == 0
     assert versus_llamacpp(rows)

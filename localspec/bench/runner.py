@@ -271,6 +271,8 @@ class Bench:
                 seen = logged if mode.is_llamacpp else rounds    # plain's text as its log shows
                 row = make_row(case, mode, n_prompt, outs[mode.name], seen[0].get("plain"), peer,
                                greedy, outs.get(mode.reference))
+                if mode.is_llamacpp:          # what it printed past the cap (last round)
+                    row.stats["tool_printed"] = len(self.llamacpp[mode.name].last_run.pieces)
                 if mode.is_llamacpp and LLAMACPP_PLAIN in outs and greedy:
                     row.stats["text_as_llamacpp_plain"] = \
                         outs[mode.name].text == outs[LLAMACPP_PLAIN].text
