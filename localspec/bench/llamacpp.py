@@ -22,7 +22,6 @@ is neither counted nor timed; at most one token of the cap goes untimed.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 from dataclasses import dataclass
