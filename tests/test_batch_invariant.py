@@ -18,6 +18,7 @@ from localspec.llama import (Context, ContextParams, Model, ModelParams, batch_i
 from localspec.policy.config import K_LIMIT
 from localspec.speculative.sampling import SamplingParams
 
+from kernel_models import TYPES, random_smollm
 from test_speculative import PROMPTS, assert_greedy_lossless, engine
 
 INVARIANT = batch_invariant_rows() > 0
@@ -64,6 +65,26 @@ def test_every_row_of_a_verify_batch_equals_one_token_decodes_on_smollm(smollm_p
     """SmolLM2-135M Q4_1 (vec_dot Q4_1 and Q8_0, the F16 KV cache's attention matmuls that
     tinyBLAS served upstream), after a short and a long context, on every core."""
     assert every_row_mismatch(smollm_path, n_prompt, threads=os.cpu_count() or 1) == []
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def random_smollm_path(request, smollm_path, tmp_path_factory):
+    """SmolLM2-135M's shape with every matrix in one weight type (tests/kernel_models.py)."""
+    return random_smollm(smollm_path, tmp_path_factory.getbasetemp() / "kernel-models",
+                         request.param)
+
+
+@needs_invariant
+@pytest.mark.smollm
+@pytest.mark.parametrize("n_prompt", [40, 1500])
+def test_every_row_of_a_verify_batch_equals_one_token_decodes_per_weight_type(
+        random_smollm_path, n_prompt):
+    """Q8_0 weights through patch 0007's shared-load tiles (llama.cpp's own build sends them to
+    tinyBLAS from 2 rows), F16 weights through patch 0006's: every row of 2..17-row batches is
+    a one-token decode's bit for bit, after a short and a long context, on every core and on one."""
+    assert every_row_mismatch(random_smollm_path, n_prompt, threads=os.cpu_count() or 1) == []
+    if n_prompt == 40:
+        assert every_row_mismatch(random_smollm_path, n_prompt, threads=1) == []
 
 
 @needs_invariant

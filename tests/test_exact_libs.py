@@ -127,14 +127,32 @@ with Model({path!r}, ModelParams()) as model, \\
 """
 
 
+@pytest.fixture(scope="session")
+def random_q8_0_path(smollm_path, tmp_path_factory):
+    """SmolLM2-135M's shape with Q8_0 weights (tests/kernel_models.py)."""
+    from kernel_models import random_smollm
+
+    return random_smollm(smollm_path, tmp_path_factory.getbasetemp() / "kernel-models", "q8_0")
+
+
+@pytest.fixture(scope="session")
+def random_f16_path(smollm_path, tmp_path_factory):
+    """SmolLM2-135M's shape with F16 weights (tests/kernel_models.py)."""
+    from kernel_models import random_smollm
+
+    return random_smollm(smollm_path, tmp_path_factory.getbasetemp() / "kernel-models", "f16")
+
+
 @needs_exact_libs
-@pytest.mark.parametrize("model", ["tiny_path", "smollm_path"])
+@pytest.mark.parametrize("model", ["tiny_path", "smollm_path", "random_q8_0_path",
+                                   "random_f16_path"])
 def test_one_token_decoding_is_llama_cpps_own_bit_for_bit(model, request):
     """The patches change how batches of 2-31 rows are computed, not what one row computes: a
     one-token decode on the batch-invariant library gives llama.cpp's own logits bit for bit,
-    patch 0006's shared-conversion F16 attention included (it serves one-token decodes too).
-    These models' prefill is also the same computation in both; the default model's is not
-    quite (patch 0003 rounds the repacked Q4_K gemm once per block), docs/exactness.md."""
+    patch 0006's shared-conversion F16 attention and F16 weights and patch 0007's Q8_0 tiles
+    included (they serve one-token decodes too). These models' prefill is also the same
+    computation in both; the default model's is not quite (patch 0003 rounds the repacked Q4_K
+    gemm once per block), docs/exactness.md."""
     code = ONE_TOKEN_LOGITS.format(path=str(request.getfixturevalue(model)))
     mine, theirs = run_python(code, LOCALSPEC_EXACT="1"), run_python(code, LOCALSPEC_EXACT="0")
     assert mine.returncode == 0 and theirs.returncode == 0, mine.stderr + theirs.stderr

@@ -1,0 +1,43 @@
+"""Random-weight models of a real shape with every matrix in one weight type, for the kernel
+checks of tests/test_batch_invariant.py and tests/test_exact_libs.py (docs/exactness.md).
+
+SmolLM2-135M's shape (30 layers, 576 wide, 9 query and 3 KV heads, 49152-token vocabulary) from
+the cached catalog file's metadata (scripts/random_gguf.py spec), random weights quantized to the
+type asked for (scripts/random_gguf.py make --type): Q8_0 gives 211 Q8_0 matrices, F16 211 F16
+ones, each multiplied by the kernels that type gets (docs/exactness.md, "What it costs"). Made
+once per test session in a temporary folder (about 140 MB for Q8_0, 260 MB for F16; 10-60 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TYPES = ("q8_0", "f16")
+
+_made: dict = {}
+
+
+def _random_gguf():
+    spec = importlib.util.spec_from_file_location("random_gguf", ROOT / "scripts" / "random_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_smollm(source: str, folder: Path, wtype: str) -> Path:
+    """A SmolLM2-135M-shaped GGUF with random `wtype` weights (one of TYPES) in `folder`."""
+    key = (str(folder), wtype)
+    if key not in _made:
+        rg = _random_gguf()
+        folder.mkdir(parents=True, exist_ok=True)
+        spec = folder / "smollm2-135m.spec.gguf"
+        if not spec.exists():
+            rg.write_spec(source, str(spec))
+        out = folder / f"smollm2-135m-random-{wtype}.gguf"
+        if not out.exists():
+            rg.make(str(spec), str(out), rg.FTYPES[wtype], seed=0, logit_scale=rg.LOGIT_SCALE,
+                    threads=2, workdir=None)
+        _made[key] = out
+    return _made[key]
