@@ -3,9 +3,10 @@ checks of tests/test_batch_invariant.py and tests/test_exact_libs.py (docs/exact
 
 SmolLM2-135M's shape (30 layers, 576 wide, 9 query and 3 KV heads, 49152-token vocabulary) from
 the cached catalog file's metadata (scripts/random_gguf.py spec), random weights quantized to the
-type asked for (scripts/random_gguf.py make --type): Q8_0 gives 211 Q8_0 matrices, F16 211 F16
-ones, each multiplied by the kernels that type gets (docs/exactness.md, "What it costs"). Made
-once per test session in a temporary folder (about 140 MB for Q8_0, 260 MB for F16; 10-60 s).
+type asked for (scripts/random_gguf.py make --type): Q8_0 gives 211 Q8_0 matrices, Q4_0 210 Q4_0
+ones (repacked 8x8 on x86) and a Q8_0 embedding/output, F16 211 F16 ones, each multiplied by
+the kernels that type gets (docs/exactness.md, "Per weight type"). Made once per test session in
+a temporary folder (about 140, 90 and 260 MB; 10-60 s each).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPES = ("q8_0", "f16")
+TYPES = ("q8_0", "q4_0", "f16")
 
 _made: dict = {}
 

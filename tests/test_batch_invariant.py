@@ -80,8 +80,10 @@ def random_smollm_path(request, smollm_path, tmp_path_factory):
 def test_every_row_of_a_verify_batch_equals_one_token_decodes_per_weight_type(
         random_smollm_path, n_prompt):
     """Q8_0 weights through patch 0007's shared-load tiles (llama.cpp's own build sends them to
-    tinyBLAS from 2 rows), F16 weights through patch 0006's: every row of 2..17-row batches is
-    a one-token decode's bit for bit, after a short and a long context, on every core and on one."""
+    tinyBLAS from 2 rows), repacked Q4_0 through patch 0008's many-row gemv (llama.cpp's own: the
+    4-row gemm from 4 rows), F16 weights through patch 0006's tiles: every row of 2..17-row
+    batches is a one-token decode's bit for bit, after a short and a long context, on every core
+    and on one."""
     assert every_row_mismatch(random_smollm_path, n_prompt, threads=os.cpu_count() or 1) == []
     if n_prompt == 40:
         assert every_row_mismatch(random_smollm_path, n_prompt, threads=1) == []

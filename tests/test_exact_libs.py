@@ -136,6 +136,14 @@ def random_q8_0_path(smollm_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def random_q4_0_path(smollm_path, tmp_path_factory):
+    """SmolLM2-135M's shape with Q4_0 weights, repacked on x86 (tests/kernel_models.py)."""
+    from kernel_models import random_smollm
+
+    return random_smollm(smollm_path, tmp_path_factory.getbasetemp() / "kernel-models", "q4_0")
+
+
+@pytest.fixture(scope="session")
 def random_f16_path(smollm_path, tmp_path_factory):
     """SmolLM2-135M's shape with F16 weights (tests/kernel_models.py)."""
     from kernel_models import random_smollm
@@ -145,12 +153,12 @@ def random_f16_path(smollm_path, tmp_path_factory):
 
 @needs_exact_libs
 @pytest.mark.parametrize("model", ["tiny_path", "smollm_path", "random_q8_0_path",
-                                   "random_f16_path"])
+                                   "random_q4_0_path", "random_f16_path"])
 def test_one_token_decoding_is_llama_cpps_own_bit_for_bit(model, request):
     """The patches change how batches of 2-31 rows are computed, not what one row computes: a
     one-token decode on the batch-invariant library gives llama.cpp's own logits bit for bit,
-    patch 0006's shared-conversion F16 attention and F16 weights and patch 0007's Q8_0 tiles
-    included (they serve one-token decodes too). These models' prefill is also the same
+    patch 0006's shared-conversion F16 attention and F16 weights, patch 0007's Q8_0 tiles and
+    patch 0008's many-row Q4_0 gemv included (they serve one-token decodes too). These models' prefill is also the same
     computation in both; the default model's is not quite (patch 0003 rounds the repacked Q4_K
     gemm once per block), docs/exactness.md."""
     code = ONE_TOKEN_LOGITS.format(path=str(request.getfixturevalue(model)))
