@@ -100,6 +100,31 @@ def test_more_layers_than_the_model_has_are_clamped_and_said(tiny_path, gpu, cap
     assert "3/3 layers on" in err and "asked for 99: clamped to the model's 3" in err
 
 
+def _load_log(tiny_path, tmp_path, layers: int) -> list:
+    """llama.cpp's own log (LOCALSPEC_LOG_SINK=stderr: it prints every level itself) of a model
+    load, a context and one decode at `layers`, in a fresh process."""
+    code = ("import sys\n"
+            "from localspec.llama import Context, ContextParams, Model, ModelParams\n"
+            "with Model(sys.argv[1], ModelParams(n_gpu_layers=int(sys.argv[2]))) as m:\n"
+            "    with Context(m, ContextParams(256, n_threads=1)) as c:\n"
+            "        c.decode([1, 2, 3])\n")
+    env = {**home_env(tmp_path), "LOCALSPEC_LOG_SINK": "stderr"}
+    r = subprocess.run([sys.executable, "-c", code, str(tiny_path), str(layers)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stderr.splitlines()
+
+
+def test_a_zero_layer_load_on_a_gpu_build_gives_llama_cpp_no_device(tiny_path, gpu, tmp_path):
+    """Issue 41: --gpu-layers 0 passes an empty device list, so llama.cpp uses no device (no
+    device context, no VRAM); with every layer asked for, the same log names the device."""
+    full = _load_log(tiny_path, tmp_path, ALL)
+    assert any(f"using device {gpu.name}" in line for line in full), "\n".join(full[-40:])
+    zero = _load_log(tiny_path, tmp_path, 0)
+    assert not [line for line in zero if "using device" in line]
+    assert not [line for line in zero if gpu.name in line and "buffer" in line]
+
+
 # -- greedy identity ---------------------------------------------------------------------------
 
 def test_greedy_speculative_equals_plain_on_the_device_tiny(dev_tiny, device_report):
