@@ -46,6 +46,10 @@ PLAIN = "llamacpp-plain"
 STEP_END = "accepted "            # LOG_DBG("accepted %d/%d draft tokens, ...") after each step
 
 
+class IncompleteLog(LocalspecError):
+    """The tool's log lacks what parse() needs."""
+
+
 @dataclass(frozen=True)
 class Run:
     """What one run of the tool logged: the prompt's token count, each generated token's text and
@@ -102,7 +106,7 @@ def parse(jsonl: str) -> Run:
         elif level == "info" and msg.lstrip().startswith("encoded") and n_prompt is None:
             n_prompt = int(msg.split()[1])
     if n_prompt is None or not out:
-        raise LocalspecError(f"{TOOL} logged no prompt count; not the expected version?")
+        raise IncompleteLog(f"{TOOL} logged no prompt count; not the expected version?")
     first = 1 + n_prompt                      # after "\n\n" and the prompt's echo
     if len(step_ends) > 1:                    # the first step printed all it accepted, + 1:
         end, _, accepted = step_ends[0]       # robust to other output before the echo
@@ -165,6 +169,14 @@ class LlamaCppTool:
         self.last_run: Optional[Run] = None
 
     def run(self, prompt: str, sampling: SamplingParams, max_tokens: int) -> Outcome:
+        """One run; a log that comes back incomplete (seen twice on a loaded box, exit status 0:
+        cause unknown) is run once more."""
+        try:
+            return self._run(prompt, sampling, max_tokens)
+        except IncompleteLog:
+            return self._run(prompt, sampling, max_tokens)
+
+    def _run(self, prompt: str, sampling: SamplingParams, max_tokens: int) -> Outcome:
         with tempfile.TemporaryDirectory(prefix="localspec-llamacpp-") as d:
             prompt_file, log_file = Path(d) / "prompt.txt", Path(d) / "log.jsonl"
             # -f drops one trailing newline of the file: add one, the prompt stays whole
