@@ -8,6 +8,8 @@ end-of-generation token inside an accepted run.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -72,6 +74,12 @@ class ScriptedContext:
 
     def reconcile(self):
         pass
+
+    def hold(self):                  # a lone context: no shared ticks to mark a slot busy for
+        return contextlib.nullcontext()
+
+    def draft_room(self):
+        return self.n_ctx
 
     def close(self):
         pass

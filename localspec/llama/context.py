@@ -3,6 +3,7 @@ token list and prefix sync, rollback, and saved states."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -49,6 +50,32 @@ class ContextParams:
     flash_attn: bool = False
 
 
+def create_context(model: Model, params: ContextParams, n_ctx: int, n_seq: int = 1) -> tuple:
+    """A llama_context over `model` holding `n_ctx` cells (n_seq > 1: that many sequences, each
+    in its own KV buffer of n_ctx / n_seq cells, laid out as a lone context's). Returns
+    (pointer, the params it was made with); one error line when llama.cpp refuses."""
+    cp = _b.C.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = cp.n_ubatch = min(params.n_batch, n_ctx)
+    if n_seq > 1:                # each sequence its own KV buffer: its attention sums run
+        cp.n_seq_max = n_seq     # over its own cells in a lone context's order
+        cp.kv_unified = False
+    threads = params.n_threads or _b.default_threads()
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.flash_attn_type = (_b.C.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
+                          else _b.C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    cp.no_perf = True
+    with native.phase(f"in llama.cpp while creating a context of {n_ctx} tokens "
+                      f"for {model.path.name} on {model.device} {model.crash_hint}"):
+        ctx = _b.C.llama_init_from_model(model.handle(), cp)
+    _b.drain_log()
+    rpc.secure()                              # a connection it opened: bounded from now
+    if not ctx:
+        raise LocalspecError(f"llama.cpp could not create a context of {n_ctx} tokens "
+                             "(out of memory?); try a smaller --ctx.")
+    return ctx, cp
+
+
 class Context:
     """One sequence (seq 0) of KV cache over a Model, with the batch buffer reused for every decode.
 
@@ -59,32 +86,19 @@ class Context:
     LocalspecError rather than call into freed memory (`closed` says which it is).
     """
 
+    seq = 0               # the llama.cpp sequence this object's rows belong to
+
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
         self.model = model
         self.params = params
         self._ctx = None
-        cp = _b.C.llama_context_default_params()
-        cp.n_ctx = params.n_ctx
-        cp.n_batch = cp.n_ubatch = min(params.n_batch, params.n_ctx)
-        threads = params.n_threads or _b.default_threads()
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.flash_attn_type = (_b.C.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
-                              else _b.C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        cp.no_perf = True
-        with native.phase(f"in llama.cpp while creating a context of {params.n_ctx} tokens "
-                          f"for {model.path.name} on {model.device} {model.crash_hint}"):
-            ctx = _b.C.llama_init_from_model(model.handle(), cp)
-        _b.drain_log()
-        rpc.secure()                              # a connection it opened: bounded from now
-        if not ctx:
-            raise LocalspecError(f"llama.cpp could not create a context of {params.n_ctx} tokens "
-                                 "(out of memory?); try a smaller --ctx.")
+        ctx, cp = create_context(model, params, n_ctx=params.n_ctx)
         self._ctx = ctx
         model._contexts.append(self)              # the model frees it first when it closes
         self._phases: dict = {}                   # batch size -> the crash line's phase
         self.n_ctx: int = _b.C.llama_n_ctx(self._ctx)
         self.n_batch: int = cp.n_batch
-        self.n_threads = threads
+        self.n_threads = cp.n_threads
         self._mem = _b.C.llama_get_memory(self._ctx)
         self._batch = _b.C.llama_batch_init(self.n_batch, 0, 1)
         # Zero-copy numpy views over the batch arrays; seq ids are fixed to 0 once here.
@@ -97,6 +111,15 @@ class Context:
             b.seq_id[i][0] = 0
         self.tokens: list = []
         self._clean = (0, 0)      # rows computed in whole on-grid chunks from 0, and that grid
+
+    def hold(self):
+        """Marks a generation running (a slot of a shared context, slots.py); nothing here."""
+        return contextlib.nullcontext()
+
+    def draft_room(self) -> int:
+        """The most drafts a step may verify here now, whatever the policy wants: a lone
+        context has no other sequence to share its batch with."""
+        return self.n_ctx
 
     @property
     def clean(self) -> tuple:
@@ -155,21 +178,31 @@ class Context:
         for start in range(0, n, self.n_batch):
             chunk = slice(start, min(n, start + self.n_batch))
             m = chunk.stop - chunk.start
-            self._tok[:m] = tokens[chunk]
-            self._pos[:m] = np.arange(self.n_past, self.n_past + m)  # n_past grows per chunk
-            self._out[:m] = want[chunk]
-            self._batch.n_tokens = m
-            native.set_phase(self._decode_phase(m))
-            rc = _b.C.llama_decode(ctx, self._batch)
-            native.set_phase(_IDLE)
-            _b.drain_log()
-            _b._state["decoded"] = True
+            rc = self._decode_chunk(ctx, tokens[chunk], want[chunk])
             if rc != 0:
                 self._drop_failed_chunk()
                 raise LocalspecError(f"llama.cpp decode failed (code {rc}); the context may be full.")
             self.tokens.extend(int(t) for t in tokens[chunk])
         if n_rows == 0:
             return np.empty((0, self.model.n_vocab), dtype=np.float32)
+        return self._logits(ctx, n_rows)
+
+    def _decode_chunk(self, ctx, tokens: Sequence[int], want: np.ndarray) -> int:
+        """One llama_decode of `tokens` at n_past, logits where `want` is 1; its return code."""
+        m = len(tokens)
+        self._tok[:m] = tokens
+        self._pos[:m] = np.arange(self.n_past, self.n_past + m)
+        self._out[:m] = want
+        self._batch.n_tokens = m
+        native.set_phase(self._decode_phase(m))
+        rc = _b.C.llama_decode(ctx, self._batch)
+        native.set_phase(_IDLE)
+        _b.drain_log()
+        _b._state["decoded"] = True
+        return rc
+
+    def _logits(self, ctx, n_rows: int) -> np.ndarray:
+        """The last decode's logits rows, a view into llama.cpp's buffer."""
         ptr = _b.C.llama_get_logits(ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
 
@@ -227,7 +260,7 @@ class Context:
         if n_keep >= self.n_past:
             return True
         self._live()
-        ok = bool(_b.C.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
+        ok = bool(_b.C.llama_memory_seq_rm(self._mem, self.seq, n_keep, -1))
         if ok:
             del self.tokens[n_keep:]
             n_clean, grid = self._clean
@@ -237,14 +270,18 @@ class Context:
 
     def clear(self) -> None:
         self._live()
-        _b.C.llama_memory_clear(self._mem, True)
+        self._forget_all()
         self.tokens = []
         self._clean = (0, 0)
+
+    def _forget_all(self) -> None:
+        """Drop every KV row (of this sequence; a lone context holds no other)."""
+        _b.C.llama_memory_clear(self._mem, True)
 
     def rows_held(self) -> int:
         """KV rows llama.cpp holds for seq 0 (n_past, unless an interrupt broke bookkeeping)."""
         self._live()
-        return int(_b.C.llama_memory_seq_pos_max(self._mem, 0)) + 1     # 0 when empty
+        return int(_b.C.llama_memory_seq_pos_max(self._mem, self.seq)) + 1     # 0 when empty
 
     def reconcile(self) -> None:
         """Make the cache agree with `tokens` after an interruption: a Ctrl-C that lands between
@@ -259,13 +296,13 @@ class Context:
         """A failed llama_decode may leave part of its batch in the cache: keep the chunks that
         succeeded (`tokens` already lists exactly those), or nothing if that is refused."""
         self._live()
-        if not bool(_b.C.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)):
+        if not bool(_b.C.llama_memory_seq_rm(self._mem, self.seq, self.n_past, -1)):
             self.clear()
 
     # -- saved states (what the prompt cache keeps) ------------------------------------------
     def state_size(self) -> int:
         """Bytes save_state() writes now: seq 0's KV rows, their positions, a small header."""
-        return int(_b.C.llama_state_seq_get_size(self._live(), 0))
+        return int(_b.C.llama_state_seq_get_size(self._live(), self.seq))
 
     def save_state(self, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Copy seq 0's KV state (positions 0..n_past-1) out of llama.cpp.
@@ -280,7 +317,7 @@ class Context:
         elif out.dtype != np.uint8 or out.size < size or not out.flags.c_contiguous:
             raise ValueError(f"save_state needs a contiguous uint8 buffer of {size} bytes")
         dst = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        n = _b.C.llama_state_seq_get_data(self._live(), dst, size, 0)
+        n = _b.C.llama_state_seq_get_data(self._live(), dst, size, self.seq)
         if n != size:
             raise LocalspecError(f"llama.cpp wrote {n} of {size} bytes of KV state.")
         return out[:size]
@@ -303,16 +340,16 @@ class Context:
         ctx = self._live()
         # Seq 0 is all this context holds: start from an empty cache so the rows land in cells
         # 0..n-1 as a fresh evaluation's would (the same cell layout, the same sums).
-        _b.C.llama_memory_clear(self._mem, True)
+        self._forget_all()
         _b._log_state["captured"] = []   # llama.cpp says why it refuses; that goes in our message
         try:
             n = _b.C.llama_state_seq_set_data(
-                ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), src.size, 0)
+                ctx, src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), src.size, self.seq)
         finally:
             _b.drain_log()
             captured = _b._log_state.pop("captured")
-        lo = _b.C.llama_memory_seq_pos_min(self._mem, 0)
-        hi = _b.C.llama_memory_seq_pos_max(self._mem, 0)
+        lo = _b.C.llama_memory_seq_pos_min(self._mem, self.seq)
+        hi = _b.C.llama_memory_seq_pos_max(self._mem, self.seq)
         if n == 0 or (n_tokens and (lo, hi) != (0, n_tokens - 1)) or (not n_tokens and hi >= 0):
             self.clear()
             why = " ".join(line.split(":", 1)[-1].strip() for line in "".join(captured)

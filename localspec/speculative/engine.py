@@ -167,61 +167,62 @@ class Engine:
         st, n_prompt = req.stats, len(req.history)
         st.prompt_tokens = n_prompt
         start = time.perf_counter()
-        try:
-            # A saved state holding more of the prompt than the live KV is restored first.
-            reuse = (self.cache.prepare(self.ctx, req.history, PREFILL_GRID)
-                     if self.cache is not None else None)
-            logits, reused = self.ctx.sync(req.history, stop=cancel, grid=PREFILL_GRID)
-            st.prefill_tokens = self.ctx.n_past - reused
-            st.record_reuse(reuse.source if reuse else "context", reused,
-                            reuse.restore_ms if reuse else 0.0)
-            st.prefill_ms = 1000 * (time.perf_counter() - start)
-            if logits is None:                 # cancelled between two chunks of the prompt
-                return
-            damage = "NaN/infinite" if not np.isfinite(logits).all() else \
-                "identical" if logits.min() == logits.max() else ""
-            if damage:                         # zeroed weights give every token the same logit
-                self.ctx.clear()               # rows computed from such weights are no use
-                raise LocalspecError(
-                    f"{self.model.path.name} produced {damage} logits for this prompt: its "
-                    "weights are most likely corrupt. Check it with `localspec models verify`, "
-                    "then re-download (`localspec models pull NAME --force`) or replace the file.")
-            emitted = [draw(target_dist(logits, req.sampling, req.history), req.stream.u(0, 0))]
-            while True:
-                for tok in emitted:
-                    if self.model.is_eog(tok):
-                        st.stop_reason = "eos"
+        with self.ctx.hold():     # a slot of a shared context: its ticks wait for this one
+            try:
+                # A saved state holding more of the prompt than the live KV is restored first.
+                reuse = (self.cache.prepare(self.ctx, req.history, PREFILL_GRID)
+                         if self.cache is not None else None)
+                logits, reused = self.ctx.sync(req.history, stop=cancel, grid=PREFILL_GRID)
+                st.prefill_tokens = self.ctx.n_past - reused
+                st.record_reuse(reuse.source if reuse else "context", reused,
+                                reuse.restore_ms if reuse else 0.0)
+                st.prefill_ms = 1000 * (time.perf_counter() - start)
+                if logits is None:                 # cancelled between two chunks of the prompt
+                    return
+                damage = "NaN/infinite" if not np.isfinite(logits).all() else \
+                    "identical" if logits.min() == logits.max() else ""
+                if damage:                         # zeroed weights give every token the same logit
+                    self.ctx.clear()               # rows computed from such weights are no use
+                    raise LocalspecError(
+                        f"{self.model.path.name} produced {damage} logits for this prompt: its "
+                        "weights are most likely corrupt. Check it with `localspec models verify`, "
+                        "then re-download (`localspec models pull NAME --force`) or replace the file.")
+                emitted = [draw(target_dist(logits, req.sampling, req.history), req.stream.u(0, 0))]
+                while True:
+                    for tok in emitted:
+                        if self.model.is_eog(tok):
+                            st.stop_reason = "eos"
+                            break
+                        req.out.append(tok)
+                        req.history.append(tok)
+                        piece = texts.feed(tok)
+                        if piece:
+                            yield piece
+                        if texts.stopped:
+                            st.stop_reason = "stop"
+                            break
+                        if len(req.out) >= max_tokens:
+                            st.stop_reason = "length"
+                            break
+                    if st.stop_reason:
                         break
-                    req.out.append(tok)
-                    req.history.append(tok)
-                    piece = texts.feed(tok)
-                    if piece:
-                        yield piece
-                    if texts.stopped:
-                        st.stop_reason = "stop"
+                    if req.policy is not None:
+                        self.proposer.accept(emitted)
+                    if cancel is not None and cancel.is_set():
+                        st.stop_reason = "cancelled"
                         break
-                    if len(req.out) >= max_tokens:
-                        st.stop_reason = "length"
+                    if self.ctx.n_past + 1 >= self.ctx.n_ctx:
+                        st.stop_reason = "context"
                         break
-                if st.stop_reason:
-                    break
-                if req.policy is not None:
-                    self.proposer.accept(emitted)
-                if cancel is not None and cancel.is_set():
+                    emitted = self._step(req)
+                tail = texts.finish()
+                if tail:
+                    yield tail
+            finally:
+                self._finish(req, n_prompt)
+                st.total_ms = 1000 * (time.perf_counter() - start)
+                if not st.stop_reason:
                     st.stop_reason = "cancelled"
-                    break
-                if self.ctx.n_past + 1 >= self.ctx.n_ctx:
-                    st.stop_reason = "context"
-                    break
-                emitted = self._step(req)
-            tail = texts.finish()
-            if tail:
-                yield tail
-        finally:
-            self._finish(req, n_prompt)
-            st.total_ms = 1000 * (time.perf_counter() - start)
-            if not st.stop_reason:
-                st.stop_reason = "cancelled"
 
     def _finish(self, req: Request, n_prompt: int) -> None:
         """A request's cleanup. Keep only KV rows that match prompt + output: a stop inside an
@@ -246,7 +247,7 @@ class Engine:
         """Ask the proposer (unless a near-tie must be re-decided alone), run one step, let the
         policy observe it."""
         started = time.perf_counter()
-        room = self.ctx.n_ctx - self.ctx.n_past - 1
+        room = min(self.ctx.n_ctx - self.ctx.n_past - 1, self.ctx.draft_room())
         proposal = self._propose(req.policy, room) \
             if req.policy is not None and room > 0 and not req.recheck else EMPTY
         propose_ms = 1000 * (time.perf_counter() - started)

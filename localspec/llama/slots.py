@@ -1,0 +1,296 @@
+"""Several sequences decoding together in one llama.cpp context: `serve --parallel N`.
+
+Each slot is a SeqContext, a Context (context.py) whose rows live in sequence `seq` of a shared
+llama_context; its decodes go through the SharedContext's ticks instead of calling llama_decode
+itself. A tick runs when every busy slot has handed in its next decode (or the oldest has waited
+MAX_WAIT_S: a slot whose owner stalls does not stall the others), and gives each of them one unit
+of work:
+
+- a prompt chunk runs alone, in exactly the llama_decode a lone context would run for it (same
+  tokens, positions and batch shape), so its rows are a lone prefill's bit for bit;
+- the steps ([last] + drafts) of every decoding slot run together, in batches of at most
+  `row_cap` rows (the batch-invariant kernels' limit: every row of such a batch equals a
+  one-token decode, docs/exactness.md), so a step's rows are what its lone run computes.
+
+The KV cache is not unified: each sequence has its own buffer, filled from cell 0 as a lone
+context fills it, so attention sums run over its cells in the same order. llama.cpp then splits
+a batch into equal-length parts per sequence; steps of equal length cost one pass
+(docs/parallel.md). Every llama.cpp call on the shared context (decode, row removal, states)
+holds one lock: llama.cpp's memory is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import LocalspecError
+from . import backend as _b
+from . import native
+from .context import _IDLE, Context, ContextParams, create_context
+from .model import Model
+
+MAX_WAIT_S = 0.25     # a tick waits at most this long for a busy slot that has not handed in
+                      # its decode (its owner stalled, e.g. a client not reading its stream)
+CELL_GRID = 256       # llama.cpp gives each sequence a multiple of this many cells
+
+
+def slot_size(n_ctx: int, n_seq: int) -> int:
+    """Cells per sequence when `n_ctx` is shared by `n_seq` slots: an equal share, rounded down
+    to llama.cpp's grid; 0 when a share would be under one grid step."""
+    return n_ctx // n_seq // CELL_GRID * CELL_GRID
+
+
+class _Work:
+    """One decode handed in by a slot, and what came back."""
+
+    __slots__ = ("seq", "tokens", "pos", "want", "prompt", "since", "rc", "rows", "done", "error")
+
+    def __init__(self, seq: int, tokens, pos: int, want: np.ndarray, prompt: bool):
+        self.seq, self.tokens, self.pos = seq, list(tokens), pos
+        self.want, self.prompt = want, prompt
+        self.since = time.monotonic()
+        self.rc, self.rows, self.done, self.error = 0, None, False, None
+
+
+class SharedContext:
+    """One llama_context with `n_seq` sequences of `n_ctx_seq` cells each, the slots over it
+    (`slot(i)`), and the ticks that decode for them."""
+
+    def __init__(self, model: Model, params: ContextParams, n_seq: int, row_cap: int):
+        if n_seq < 2:
+            raise ValueError("a shared context needs at least 2 sequences")
+        per_seq = slot_size(params.n_ctx, n_seq)
+        if per_seq == 0:
+            raise LocalspecError(f"a context of {params.n_ctx} tokens cannot hold {n_seq} "
+                                 f"slots of at least {CELL_GRID} tokens; raise --ctx to "
+                                 f"{n_seq * CELL_GRID} or more, or lower --parallel.")
+        self.model, self.params, self.n_seq, self.row_cap = model, params, n_seq, max(1, row_cap)
+        self._ctx = None
+        ctx, cp = create_context(model, params, n_ctx=per_seq * n_seq, n_seq=n_seq)
+        self._ctx = ctx
+        model._contexts.append(self)
+        self.n_ctx_seq = int(_b.C.llama_n_ctx_seq(ctx))
+        self.n_batch, self.n_threads = cp.n_batch, cp.n_threads
+        self._mem = _b.C.llama_get_memory(ctx)
+        self._batch = _b.C.llama_batch_init(self.n_batch, 0, 1)
+        b = self._batch
+        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
+        self.lock = threading.Condition(threading.RLock())
+        self._pending: dict = {}         # seq -> _Work handed in, not yet run
+        self._busy: set = set()          # slots in a generation: a tick waits for them
+        self.ticks = 0                   # llama_decode calls made for slots, for stats
+        self.slots = [SeqContext(self, i) for i in range(n_seq)]
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx is None
+
+    def live(self):
+        if self._ctx is None:
+            raise LocalspecError("this llama.cpp context was closed (its server or model was "
+                                 "closed); nothing can run on it any more.")
+        return self._ctx
+
+    @property
+    def busy(self) -> int:
+        """Slots in a generation now (for the draft room each may take)."""
+        return len(self._busy)
+
+    @contextmanager
+    def hold(self, seq: int):
+        """Mark slot `seq` busy while a generation runs on it: ticks wait for its decodes."""
+        with self.lock:
+            self._busy.add(seq)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._busy.discard(seq)
+                self.lock.notify_all()         # a tick may have been waiting for this slot
+
+    # -- ticks ---------------------------------------------------------------------------------
+    def submit(self, work: _Work) -> None:
+        """Hand in one decode and wait until a tick (maybe run by this thread) has done it."""
+        with self.lock:
+            self.live()
+            self._pending[work.seq] = work
+            self.lock.notify_all()
+            while not work.done:
+                if self._ready():
+                    self._tick()
+                else:
+                    self.lock.wait(MAX_WAIT_S / 5)
+            if work.error is not None:
+                raise work.error
+
+    def _ready(self) -> bool:
+        if not self._pending:
+            return False
+        if all(s in self._pending for s in self._busy):
+            return True
+        oldest = min(w.since for w in self._pending.values())
+        return time.monotonic() - oldest >= MAX_WAIT_S
+
+    def _tick(self) -> None:
+        """Run every pending decode: prompt chunks one by one, as a lone context would, then the
+        steps together in batches of at most row_cap rows, in sequence order (llama.cpp
+        splits a batch only where its sequences' row counts differ)."""
+        works, self._pending = sorted(self._pending.values(), key=lambda w: w.seq), {}
+        try:
+            steps = [w for w in works if not w.prompt]
+            for w in works:
+                if w.prompt:
+                    self._run([w])
+            group: list = []
+            for w in steps:
+                if group and sum(len(g.tokens) for g in group) + len(w.tokens) > self.row_cap:
+                    self._run(group)
+                    group = []
+                group.append(w)
+            if group:
+                self._run(group)
+        except BaseException as e:             # a crash of ours, not llama.cpp's return code
+            for w in works:
+                if not w.done:
+                    w.error, w.done = e, True
+            raise
+        finally:
+            self.lock.notify_all()
+
+    def _run(self, group: list) -> None:
+        """One llama_decode of `group`'s rows; each work gets its return code and a copy of its
+        logits rows (the buffer is the next tick's)."""
+        n = sum(len(w.tokens) for w in group)
+        if n > self.n_batch:
+            raise ValueError(f"a tick of {n} rows is over the batch of {self.n_batch}")
+        b, i = self._batch, 0
+        for w in group:
+            m = len(w.tokens)
+            self._tok[i:i + m] = w.tokens
+            self._pos[i:i + m] = np.arange(w.pos, w.pos + m)
+            self._out[i:i + m] = w.want
+            for j in range(i, i + m):
+                b.seq_id[j][0] = w.seq
+            i += m
+        b.n_tokens = n
+        phase = native.encode_phase(
+            f"in llama.cpp while decoding a batch of {n} tokens for {len(group)} slot(s) with "
+            f"{self.model.path.name} on {self.model.device} {self.model.crash_hint}")
+        native.set_phase(phase)
+        rc = _b.C.llama_decode(self.live(), b)
+        native.set_phase(_IDLE)
+        _b.drain_log()
+        _b._state["decoded"] = True
+        self.ticks += 1
+        i = 0
+        for w in group:
+            w.rc = rc
+            rows = int(w.want.sum())
+            if rc == 0 and rows:
+                first = i + int(np.argmax(w.want))
+                ptr = _b.C.llama_get_logits_ith(self._ctx, first)
+                w.rows = np.array(np.ctypeslib.as_array(ptr, shape=(rows, self.model.n_vocab)))
+            w.done = True
+            i += len(w.tokens)
+
+    def close(self) -> None:
+        """Free the context (idempotent); its slots raise from then on."""
+        with self.lock:
+            if self._ctx is None:
+                return
+            ctx, self._ctx, self._mem = self._ctx, None, None
+            if self in self.model._contexts:
+                self.model._contexts.remove(self)
+            for slot in self.slots:
+                slot._ctx = slot._mem = None
+            self._tok = self._pos = self._out = None
+            with native.phase(f"in llama.cpp while freeing a context of {self.model.path.name} "
+                              f"{self.model.crash_hint}"):
+                _b.C.llama_batch_free(self._batch)
+                _b.C.llama_free(ctx)
+            _b.drain_log()
+
+
+class SeqContext(Context):
+    """Sequence `seq` of a SharedContext, with a lone Context's interface and invariants: the
+    engine, the step, the prompt cache and calibration run on it unchanged. Its decodes go
+    through the shared ticks; every other llama.cpp call holds the shared lock."""
+
+    def __init__(self, shared: SharedContext, seq: int):        # noqa: no Context.__init__:
+        self.shared, self.seq = shared, seq                     # the llama_context is shared
+        self.model, self.params = shared.model, shared.params
+        self._ctx, self._mem = shared._ctx, shared._mem
+        self._phases: dict = {}
+        self.n_ctx, self.n_batch = shared.n_ctx_seq, shared.n_batch
+        self.n_threads = shared.n_threads
+        self.tokens: list = []
+        self._clean = (0, 0)
+        self._prompt = False             # the decode in progress is a prompt chunk
+
+    def hold(self):
+        """A generation runs on this slot (the engine wraps each one in it)."""
+        return self.shared.hold(self.seq)
+
+    def draft_room(self) -> int:
+        """The drafts a step may take while the other busy slots take theirs: an equal share of
+        a batch the invariant kernels keep exact, less the step's own row."""
+        return max(0, self.shared.row_cap // max(1, self.shared.busy) - 1)
+
+    def sync(self, tokens: Sequence[int], stop=None, grid: int = 0) -> tuple:
+        self._prompt = True
+        try:
+            return super().sync(tokens, stop, grid)
+        finally:
+            self._prompt = False
+
+    def _decode_chunk(self, ctx, tokens: Sequence[int], want: np.ndarray) -> int:
+        prompt = self._prompt or len(tokens) > self.shared.row_cap     # runs alone
+        work = _Work(self.seq, tokens, self.n_past, want, prompt)
+        self.shared.submit(work)
+        self._rows = work.rows
+        return work.rc
+
+    def _logits(self, ctx, n_rows: int) -> np.ndarray:
+        rows, self._rows = self._rows, None
+        return rows
+
+    def _locked(name):                                          # noqa: N805 (a decorator)
+        method = getattr(Context, name)
+
+        def call(self, *args, **kwargs):
+            with self.shared.lock:
+                return method(self, *args, **kwargs)
+        call.__name__, call.__doc__ = name, method.__doc__
+        return call
+
+    truncate = _locked("truncate")
+    clear = _locked("clear")
+    rows_held = _locked("rows_held")
+    reconcile = _locked("reconcile")
+    state_size = _locked("state_size")
+    save_state = _locked("save_state")
+    restore_state = _locked("restore_state")
+    del _locked
+
+    def _forget_all(self) -> None:
+        _b.C.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
+
+    def _live(self):
+        self.shared.live()
+        return self._ctx
+
+    def close(self) -> None:
+        """Give the slot back: its rows are dropped, the shared context stays."""
+        if self.shared.closed:
+            return
+        with self.shared.lock:
+            self._forget_all()
+        self.tokens, self._clean = [], (0, 0)

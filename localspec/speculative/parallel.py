@@ -1,0 +1,126 @@
+"""`--parallel N`: N engines, one per slot of a shared context (llama/slots.py), over one model.
+
+Each slot is a whole Engine (its own requests, proposer, policy and random stream) whose context
+is a SeqContext, so every rule of a lone engine holds per slot: the same prefill grid, the same
+step, the same stop rules. What the slots share: the model, the llama_context (its decodes run
+in ticks that batch the slots' steps), the cost curve (measured once) and the prompt cache (a slot
+may start from a state another slot saved). Not the draft store: it follows one output at a time.
+
+The caller runs each slot's generations in its own thread (apps/http_worker.py,
+apps/protocol.py); a slot's engine is not thread-safe, the set is.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import replace
+from typing import Callable, Optional, Union
+
+from ..errors import LocalspecError
+from ..llama import Model, batch_invariant_rows
+from ..llama.slots import SharedContext, slot_size
+from .config import EngineConfig
+from .drafting import Drafting
+from .engine import Engine
+from .factory import context_params, load_model, make_cache, make_proposer
+
+MAX_SLOTS = 16          # more would leave each slot a sliver of the invariant batch (31 rows)
+
+
+def check_parallel(n: int, n_ctx: int) -> None:
+    """A usage error naming the limit for a --parallel that cannot work with --ctx."""
+    if n < 1 or n > MAX_SLOTS:
+        raise LocalspecError(f"--parallel must be 1..{MAX_SLOTS}, got {n}.")
+    if n > 1 and slot_size(n_ctx, n) == 0:
+        raise LocalspecError(f"--parallel {n} needs a context of at least {256 * n} tokens "
+                             f"(256 per slot), but --ctx is {n_ctx}; raise --ctx or lower "
+                             "--parallel.")
+
+
+class _LockedCache:
+    """The prompt cache, shared by the slots: one slot at a time saves or restores."""
+
+    def __init__(self, cache):
+        self._cache, self._lock = cache, threading.Lock()
+
+    def __getattr__(self, name):
+        attr = getattr(self._cache, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            with self._lock:
+                return attr(*args, **kwargs)
+        return call
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+class Slots:
+    """`n` engines over one model and one shared context. `engines[i]` runs slot i's requests;
+    close() frees them, the context and the model (when it was loaded here)."""
+
+    def __init__(self, target: Union[str, os.PathLike, Model], config: EngineConfig, n: int,
+                 progress: Optional[Callable[[str], None]] = None):
+        check_parallel(n, config.n_ctx)
+        if config.proposer not in ("ngram", "none"):
+            raise LocalspecError("--parallel runs n-gram lookup or plain decoding; a draft model "
+                                 "would need a context per slot (use --proposer ngram).")
+        self.n = n
+        own = isinstance(target, (str, os.PathLike))
+        self.model = load_model(target, config.n_gpu_layers, config.exact, config.rpc) if own \
+            else target
+        self._own_model = own
+        self.engines: list = []
+        self.shared = None
+        try:
+            invariant = batch_invariant_rows()
+            row_cap = invariant - 1 if invariant else 64
+            self.shared = SharedContext(self.model, context_params(config), n, row_cap)
+            # A shared tick's time is not one slot's cost: the curve stays as measured alone.
+            # The draft store keeps one output at a time (begin/add/end): slots go without it.
+            slot_config = replace(config, refit_cost=False, cache_mb=0, store=False)
+            if config.store:
+                print("localspec: --parallel: the draft store is not used (it follows one "
+                      "output at a time); each slot drafts by prompt lookup.", file=sys.stderr)
+            cache = make_cache(config, self.model)
+            shared_cache = _LockedCache(cache) if cache is not None else None
+            drafting = Drafting(slot_config, progress)
+            for i in range(n):
+                proposer = make_proposer(slot_config, self.model)
+                engine = Engine(self.model, slot_config, progress, proposer=proposer,
+                                context=self.shared.slots[i])
+                engine.cache = shared_cache
+                engine.drafting = drafting
+                self.engines.append(engine)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def n_ctx(self) -> int:
+        """Tokens each slot holds."""
+        return self.shared.n_ctx_seq
+
+    def prepare(self) -> None:
+        """Measure (or load) the cost curve once, on slot 0, before requests arrive."""
+        self.engines[0].prepare()
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+        self.engines = []
+        if self.shared is not None:
+            self.shared.close()
+        if self._own_model and self.model is not None:
+            self.model.close()
+            self.model = None
+
+    def __enter__(self) -> "Slots":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
