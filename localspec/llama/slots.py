@@ -86,7 +86,9 @@ class SharedContext:
         self.lock = threading.Condition(threading.RLock())
         self._pending: dict = {}         # seq -> _Work handed in, not yet run
         self._busy: set = set()          # slots in a generation: a tick waits for them
+        self._stalled: set = set()       # busy slots that kept a tick waiting MAX_WAIT_S
         self.ticks = 0                   # llama_decode calls made for slots, for stats
+        self.stalls = 0                  # ticks that waited MAX_WAIT_S for a stalled slot
         self.slots = [SeqContext(self, i) for i in range(n_seq)]
 
     @property
@@ -114,6 +116,7 @@ class SharedContext:
         finally:
             with self.lock:
                 self._busy.discard(seq)
+                self._stalled.discard(seq)
                 self.lock.notify_all()         # a tick may have been waiting for this slot
 
     # -- ticks ---------------------------------------------------------------------------------
@@ -122,6 +125,7 @@ class SharedContext:
         with self.lock:
             self.live()
             self._pending[work.seq] = work
+            self._stalled.discard(work.seq)
             self.lock.notify_all()
             while not work.done:
                 if self._ready():
@@ -132,12 +136,20 @@ class SharedContext:
                 raise work.error
 
     def _ready(self) -> bool:
+        """Whether a tick runs now: every busy slot has handed in its decode, except slots
+        found stalled (not waited for again until they hand one in); or the oldest decode has
+        waited MAX_WAIT_S, and the slots it waited for are found stalled."""
         if not self._pending:
             return False
-        if all(s in self._pending for s in self._busy):
+        missing = self._busy - self._pending.keys() - self._stalled
+        if not missing:
             return True
         oldest = min(w.since for w in self._pending.values())
-        return time.monotonic() - oldest >= MAX_WAIT_S
+        if time.monotonic() - oldest < MAX_WAIT_S:
+            return False
+        self._stalled |= missing
+        self.stalls += 1
+        return True
 
     def _tick(self) -> None:
         """Run every pending decode: prompt chunks one by one, as a lone context would, then the

@@ -1,0 +1,212 @@
+"""Slots in one context (llama/slots.py, speculative/parallel.py): every request's text is the
+text it gets alone, token for token, greedy or seeded, whatever runs beside it; every row of a
+batch that carries several sequences equals that token decoded alone, bit for bit; a stalled,
+cancelled or failing request never holds up or changes the others."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from localspec.errors import LocalspecError
+from localspec.llama import Context, ContextParams, batch_invariant_rows
+from localspec.llama.slots import SharedContext, _Work
+from localspec.speculative.engine import Engine, EngineConfig
+from localspec.speculative.parallel import MAX_SLOTS, Slots, check_parallel
+from localspec.speculative.sampling import SamplingParams
+
+needs_invariant = pytest.mark.skipif(
+    batch_invariant_rows() == 0,
+    reason="this process loaded llama.cpp's own libraries: rows are not batch-invariant")
+
+SLOT_CTX = 512
+PROMPTS = [
+    [{"role": "user", "content": "Add type hints:\ndef area(w, h):\n    return w * h\n\n"
+                                 "def perimeter(w, h):\n    return 2 * (w + h)\n"}],
+    [{"role": "user", "content": "Write a haiku about rain."}],
+    [{"role": "user", "content": "Explain what a hash map is in two sentences."}],
+    [{"role": "user", "content": "Repeat this list exactly: apple, pear, plum, fig, kiwi."}],
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    [{"role": "user", "content": "Name three prime numbers."}],
+]
+
+
+def config(n_slots: int = 1, **kw) -> EngineConfig:
+    return EngineConfig(n_ctx=SLOT_CTX * n_slots, proposer="ngram", cache_mb=0,
+                        n_threads=2, **kw)
+
+
+def run_alone(model, requests) -> list:
+    """Each request's (text, tokens) from a lone engine with a slot's context size."""
+    out = []
+    with Engine(model, config()) as engine:
+        for r in requests:
+            gen = engine.generate(r["prompt"], r["sampling"], max_tokens=r["max_tokens"],
+                                  speculate=r["speculate"])
+            out.append(("".join(gen), list(gen.tokens)))
+    return out
+
+
+def run_together(slots: Slots, requests) -> list:
+    """The requests through the slots: one thread per slot takes the next request in order
+    (more requests than slots queue), each after its own start delay."""
+    jobs: queue.Queue = queue.Queue()
+    for i, r in enumerate(requests):
+        jobs.put((i, r))
+    out: list = [None] * len(requests)
+
+    def worker(engine):
+        while True:
+            try:
+                i, r = jobs.get_nowait()
+            except queue.Empty:
+                return
+            time.sleep(r["delay"])
+            gen = engine.generate(r["prompt"], r["sampling"], max_tokens=r["max_tokens"],
+                                  speculate=r["speculate"])
+            out[i] = ("".join(gen), list(gen.tokens))
+
+    threads = [threading.Thread(target=worker, args=(e,)) for e in slots.engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def random_requests(rng: random.Random, n: int) -> list:
+    reqs = []
+    for _ in range(n):
+        seeded = rng.random() < 0.4
+        reqs.append({
+            "prompt": rng.choice(PROMPTS),
+            "sampling": SamplingParams(temperature=0.8, seed=rng.randrange(1000)) if seeded
+            else SamplingParams(),
+            "max_tokens": rng.randrange(4, 48),
+            "speculate": rng.random() < 0.8,
+            "delay": rng.choice([0.0, 0.0, 0.05, 0.3]),
+        })
+    return reqs
+
+
+@needs_invariant
+@pytest.mark.parametrize("case", range(4))
+def test_random_concurrent_requests_give_their_lone_text(smollm, case):
+    rng = random.Random(case)
+    n_slots = 2 + case % 3                     # 2, 3, 4, 2 slots
+    requests = random_requests(rng, n_slots + rng.randrange(0, 3))
+    alone = run_alone(smollm, requests)
+    with Slots(smollm, config(n_slots), n_slots) as slots:
+        together = run_together(slots, requests)
+        assert slots.shared.ticks > 0
+    for i, (a, t) in enumerate(zip(alone, together)):
+        assert t == a, f"request {i} ({requests[i]['sampling']}) differs beside others"
+
+
+@needs_invariant
+def test_every_row_of_a_batch_of_several_sequences_equals_a_lone_decode(smollm):
+    """One llama_decode carrying 1, 6 and 12 rows of three sequences (llama.cpp splits it by
+    sequence): each row against the same token decoded alone, in a lone context."""
+    model = smollm
+    prompts = [model.tokenize(p * 6) for p in ("alpha beta gamma ", "one two three ",
+                                                 "def f(x): return x ")]
+    conts = [[(31 * i + 7 * s + 3) % model.n_vocab for i in range(n)]
+             for s, n in enumerate((1, 6, 12))]
+    shared = SharedContext(model, ContextParams(n_ctx=SLOT_CTX * 3, n_threads=2), 3, 31)
+    try:
+        for slot, prompt in zip(shared.slots, prompts):
+            slot.decode(prompt, logits="none")
+        works = [_Work(s, cont, len(prompts[s]), np.ones(len(cont), dtype=np.int8), False)
+                 for s, cont in enumerate(conts)]
+        shared._run(works)
+        assert all(w.rc == 0 for w in works)
+    finally:
+        shared.close()
+    for s, (prompt, cont) in enumerate(zip(prompts, conts)):
+        with Context(model, ContextParams(n_ctx=SLOT_CTX, n_threads=2)) as lone:
+            lone.decode(prompt, logits="none")
+            single = np.stack([lone.decode([t], logits="last")[0].copy() for t in cont])
+        differing = [i for i in range(len(cont)) if not np.array_equal(works[s].rows[i], single[i])]
+        assert not differing, f"sequence {s}: rows {differing} differ from lone decodes"
+
+
+@needs_invariant
+def test_a_stalled_reader_does_not_stall_the_other_slots(smollm):
+    """A client that stops reading its stream holds its slot, not the others: a tick waits at
+    most MAX_WAIT_S for it."""
+    requests = [{"prompt": PROMPTS[1], "sampling": SamplingParams(), "max_tokens": 24,
+                 "speculate": True, "delay": 0.0}]
+    alone = run_alone(smollm, requests)
+    with Slots(smollm, config(2), 2) as slots:
+        stalled = slots.engines[0].generate(PROMPTS[2], max_tokens=40)
+        next(iter(stalled))                    # started, then never read again
+        done = run_together(type("One", (), {"engines": slots.engines[1:]})(), requests)
+        stalls, ticks = slots.shared.stalls, slots.shared.ticks
+        stalled.close()
+    assert done == alone
+    assert stalls == 1 and ticks > 10          # waited for once, not at every tick
+
+
+@needs_invariant
+def test_a_cancelled_and_a_failing_request_leave_the_others_intact(smollm):
+    good = [{"prompt": PROMPTS[0], "sampling": SamplingParams(), "max_tokens": 40,
+             "speculate": True, "delay": 0.0}]
+    alone = run_alone(smollm, good)
+    cancel = threading.Event()
+    results: dict = {}
+    with Slots(smollm, config(3), 3) as slots:
+        def cancelled():
+            gen = slots.engines[1].generate(PROMPTS[3], max_tokens=200, cancel=cancel)
+            results["cancelled"] = ("".join(gen), gen.stats.stop_reason)
+
+        def failing():
+            try:
+                slots.engines[2].generate("x " * (2 * SLOT_CTX), max_tokens=8)
+            except LocalspecError as e:
+                results["failed"] = str(e)
+
+        threads = [threading.Thread(target=f) for f in (cancelled, failing)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        cancel.set()
+        results["good"] = run_together(type("One", (), {"engines": slots.engines[:1]})(), good)
+        for t in threads:
+            t.join(timeout=120)
+        # the cancelled slot is free again: it serves the next request as if alone
+        again = run_together(type("One", (), {"engines": slots.engines[1:2]})(), good)
+    assert results["good"] == alone and again == alone
+    assert results["cancelled"][1] == "cancelled"
+    assert "context holds" in results["failed"]
+
+
+def test_parallel_values_that_cannot_work_are_one_line_errors():
+    for n, ctx, words in ((0, 4096, "1..16"), (-2, 4096, "1..16"), (MAX_SLOTS + 1, 65536, "1..16"),
+                          (4, 768, "at least 1024 tokens")):
+        with pytest.raises(LocalspecError, match=words) as info:
+            check_parallel(n, ctx)
+        assert "\n" not in str(info.value)
+    check_parallel(1, 256)
+    check_parallel(4, 1024)
+
+
+def test_a_draft_model_is_refused_with_parallel(tiny_model):
+    with pytest.raises(LocalspecError, match="n-gram lookup or plain"):
+        Slots(tiny_model, EngineConfig(n_ctx=1024, proposer="draft", draft="x"), 2)
+
+
+def test_slots_on_the_tiny_model_give_their_lone_text(tiny_model):
+    """Without the invariant-kernel assumption (any library): the tiny model's plain text per
+    slot, three at once."""
+    reqs = [{"prompt": p, "sampling": SamplingParams(), "max_tokens": 20, "speculate": False,
+             "delay": 0.0} for p in ("abc abc abc", "hello world", "zzz")]
+    alone = run_alone(tiny_model, reqs)
+    with Slots(tiny_model, config(3), 3) as slots:
+        assert slots.n_ctx == SLOT_CTX
+        assert run_together(slots, reqs) == alone
