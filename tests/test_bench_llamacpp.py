@@ -151,7 +151,8 @@ case "$1" in
   -S) ls "$2" > {tmp_path}/tree.ls; echo "-- Configuring done";;
   --build) echo "[ 10%] Building C object a.o"; echo "[ 60%] Building CXX object b.o"
            {'echo "error: boom"; exit 2' if fail else ''}
-           mkdir -p "$2/bin" && echo tool > "$2/bin/llama-speculative-simple"
+           mkdir -p "$2/bin"
+           for t in $(echo "$@" | sed 's/.*--target //'); do echo tool > "$2/bin/$t"; done
            echo "[100%] Built target llama-speculative-simple";;
 esac
 """)
@@ -164,7 +165,8 @@ esac
     monkeypatch.setattr(llamacpp_build, "cmake_args", lambda: ["-DGGML_AVX2=ON"])
     import tarfile
     src = tmp_path / "src" / "llama_cpp_python-9.9.9" / "vendor" / "llama.cpp"
-    for rel in ("CMakeLists.txt", "models/ggml-vocab.gguf", "common/common.cpp"):
+    for rel in ("CMakeLists.txt", "models/ggml-vocab.gguf", "common/common.cpp",
+                "tools/server/server.cpp"):
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_text("x")
     sd = tmp_path / "home" / "sdist"
@@ -188,6 +190,26 @@ def test_build_configures_with_the_wheels_flags_and_caches_the_binary(tmp_path, 
     (tmp_path / "cmake.args").unlink()
     assert llamacpp_build.build(said.append) == out          # cached: no cmake at all
     assert not (tmp_path / "cmake.args").exists()
+
+
+def test_llama_server_is_built_on_demand_into_the_same_folder(tmp_path, monkeypatch):
+    _fake_toolchain(tmp_path, monkeypatch)
+    out = llamacpp_build.build(lambda s: None)
+    with pytest.raises(LocalspecError, match="llamacpp_tools.sh --target llama-server"):
+        llamacpp_build.require_tool(llamacpp_build.SERVER)
+    (tmp_path / "cmake.args").unlink()
+    assert llamacpp_build.build(lambda s: None, targets=(llamacpp_build.SERVER,)) == out
+    configure, compile_ = (tmp_path / "cmake.args").read_text().splitlines()
+    for flag in ("-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF",
+                 "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_AVX2=ON"):
+        assert flag in configure.split(), flag
+    assert "-DLLAMA_BUILD_TOOLS=OFF" not in configure and compile_.endswith("--target llama-server")
+    assert "tools" in (tmp_path / "tree.ls").read_text().split()    # its sources unpacked
+    assert (out / "llama-speculative-simple").is_file()              # the tool stays
+    assert llamacpp_build.require_tool(llamacpp_build.SERVER) == out / "llama-server"
+    assert (out / "BUILD").read_text().count("llama-cpp-python 9.9.9") == 2
+    assert (out.parent / f"{out.name}.build.log").is_file()          # the tool's log stays
+    assert (out.parent / f"{out.name}.llama-server.build.log").is_file()
 
 
 def test_a_failed_build_is_one_line_naming_its_log(tmp_path, monkeypatch):

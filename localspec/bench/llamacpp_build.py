@@ -1,11 +1,14 @@
-"""llama.cpp's stock `llama-speculative-simple`, built once per machine for the llamacpp-* bench
-modes: from the vendored llama.cpp of the installed llama-cpp-python's sdist, with the CMake flags
-install.sh builds the wheel with (localspec/llama/buildflags.py), cached beside the wheel under
+"""llama.cpp's stock binaries, built once per machine: `llama-speculative-simple` for the
+llamacpp-* bench modes and, on demand, `llama-server` for scripts/bench_parallel.py. From the
+vendored llama.cpp of the installed llama-cpp-python's sdist, with the CMake flags install.sh
+builds the wheel with (localspec/llama/buildflags.py), cached beside the wheel under
 $LOCALSPEC_HOME/llamacpp-bin/llama-cpp-python-VERSION-KEY/ (KEY: install.sh's wheel key, so one
-flag set, one folder). Only that target and what it links are compiled, statically.
+flag set, one folder, both binaries). Only the target asked for and what it links are compiled,
+statically, with nothing downloaded (no curl, no OpenSSL, no web UI assets for the server).
 
-    python -m localspec.bench.llamacpp_build           # or scripts/llamacpp_tools.sh
-    python -m localspec.bench.llamacpp_build --path    # where the binary is (built or not)
+    python -m localspec.bench.llamacpp_build                        # or scripts/llamacpp_tools.sh
+    python -m localspec.bench.llamacpp_build --target llama-server  # the HTTP server too
+    python -m localspec.bench.llamacpp_build --path [--target T]    # where it is (built or not)
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from ..errors import LocalspecError
 from ..files import localspec_home
 
 TOOL = "llama-speculative-simple"
-TARGETS = (TOOL,)
+SERVER = "llama-server"
+TARGETS = (TOOL,)                                 # what build() makes unless told otherwise
 BUILD_COMMAND = "scripts/llamacpp_tools.sh"      # = python -m localspec.bench.llamacpp_build
 # Standalone llama.cpp builds its tests, tools and server by default; none are needed here.
 # Static: one self-contained binary to cache. OpenSSL/curl: nothing is downloaded.
@@ -41,6 +45,16 @@ FIXED_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_
 # the tools and tests it does not build: 170 of its 180 MB).
 SKIP_DIRS = ("models", "docs", "media", "gguf-py", "tests", "tools", ".git", ".github", "benches",
              "conversion", "skills", "app")
+# What a target needs beyond that. llama-server lives in tools/ (tools/CMakeLists.txt adds
+# tools/server, tools/ui and tools/cli only under LLAMA_BUILD_SERVER, and every other tool's
+# folder with them, so the whole of tools/ is unpacked). Its web UI: tools/ui/CMakeLists.txt
+# runs scripts/ui-assets.cmake, which would npm-build it (LLAMA_BUILD_UI) or download it from a
+# Hugging Face bucket (LLAMA_USE_PREBUILT_UI, on by default); with both off and no tools/ui/dist
+# in the sdist it embeds an empty table: the API is served, the browser page is not.
+EXTRA_ARGS = {SERVER: ("-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+                       "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")}
+NEEDS_DIRS = {SERVER: ("tools",)}
+BUILD_MINUTES = {TOOL: "9 CPU-minutes", SERVER: "~25 CPU-minutes"}
 
 Say = Callable[[str], None]
 
@@ -81,14 +95,26 @@ def tool_path(name: str = TOOL) -> Path:
     return bin_dir() / name
 
 
+def build_command(name: str = TOOL) -> str:
+    return BUILD_COMMAND if name == TOOL else f"{BUILD_COMMAND} --target {name}"
+
+
 def require_tool(name: str = TOOL) -> Path:
     """The built binary, or a one-line error saying how to build it."""
     path = tool_path(name)
     if not path.is_file():
         raise LocalspecError(f"llama.cpp's {name} is not built for this flag set "
-                             f"({path.parent.name}); build it once (9 CPU-minutes): "
-                             f"{BUILD_COMMAND}")
+                             f"({path.parent.name}); build it once "
+                             f"({BUILD_MINUTES.get(name, 'minutes')}): {build_command(name)}")
     return path
+
+
+def fixed_args(targets) -> list:
+    """FIXED_ARGS with what the targets add (a later -D of the same name wins in CMake, but one
+    of each keeps the BUILD note readable)."""
+    extra = [a for t in targets for a in EXTRA_ARGS.get(t, ())]
+    names = {a.split("=", 1)[0] for a in extra}
+    return [a for a in FIXED_ARGS if a.split("=", 1)[0] not in names] + extra
 
 
 # -- the source ------------------------------------------------------------------------------------
@@ -110,30 +136,36 @@ def sdist(ver: str, say: Say) -> Path:
     return path
 
 
-def unpack_vendored(archive: Path, dest: Path) -> Path:
-    """vendor/llama.cpp of the sdist into dest, without the parts the build never reads."""
+def unpack_vendored(archive: Path, dest: Path, keep: tuple = ()) -> Path:
+    """vendor/llama.cpp of the sdist into dest, without the parts the build never reads (but
+    those of SKIP_DIRS named in `keep`)."""
+    skip = set(SKIP_DIRS) - set(keep)
     with tarfile.open(archive) as tar:
         members = []
         for m in tar.getmembers():
             parts = Path(m.name).parts
             if len(parts) < 3 or parts[1:3] != ("vendor", "llama.cpp"):
                 continue
-            if len(parts) > 3 and parts[3] in SKIP_DIRS:
+            if len(parts) > 3 and parts[3] in skip:
                 continue
             members.append(m)
         tar.extractall(dest, members=members, filter="data")
     return dest / Path(members[0].name).parts[0] / "vendor" / "llama.cpp"
 
 
-def source_tree(ver: str, work: Path, say: Say) -> Path:
+def source_tree(ver: str, work: Path, say: Say, keep: tuple = ()) -> Path:
     """LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python tree, as install.sh takes) or the sdist."""
     given = os.environ.get("LOCALSPEC_LLAMA_SRC")
     if given:
         tree = Path(given) / "vendor" / "llama.cpp"
         if not (tree / "CMakeLists.txt").is_file():
             raise LocalspecError(f"LOCALSPEC_LLAMA_SRC={given} has no vendor/llama.cpp.")
+        missing = [d for d in keep if not (tree / d).is_dir()]
+        if missing:
+            raise LocalspecError(f"LOCALSPEC_LLAMA_SRC={given} has no vendor/llama.cpp/"
+                                 f"{missing[0]} (a trimmed tree?).")
         return tree
-    return unpack_vendored(sdist(ver, say), work)
+    return unpack_vendored(sdist(ver, say), work, keep)
 
 
 # -- the build -------------------------------------------------------------------------------------
@@ -173,61 +205,90 @@ def _lock(path: Path, say: Say):
         yield
 
 
-def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = None) -> Path:
-    """Build (or find built) the tools; their folder. A failure is one LocalspecError line
-    naming the build log."""
+def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = None,
+          targets: tuple = TARGETS) -> Path:
+    """Build (or find built) the targets; their folder. Targets already there are kept, so
+    llama-server joins llama-speculative-simple in one folder. A failure is one LocalspecError
+    line naming the build log."""
+    unknown = [t for t in targets if t not in (TOOL, SERVER)]
+    if unknown:
+        raise LocalspecError(f"unknown target {unknown[0]!r}; known: {TOOL}, {SERVER}.")
     ver, args = version(), cmake_args()
     out = bin_dir(ver, args)
-    if all((out / t).is_file() for t in TARGETS):
+    if all((out / t).is_file() for t in targets):
         return out
     missing = [t for t in ("cmake", "c++") if not shutil.which(t)]
     if missing:
         raise LocalspecError(f"building llama.cpp's tools needs {' and '.join(missing)} "
                              "(e.g. apt-get install cmake g++, or pip install cmake).")
     with _lock(out.parent / f"{out.name}.lock", say):
-        if all((out / t).is_file() for t in TARGETS):
+        todo = tuple(t for t in targets if not (out / t).is_file())
+        if not todo:
             return out
         jobs = jobs or os.cpu_count() or 2
         out.parent.mkdir(parents=True, exist_ok=True)
-        log_path = out.parent / f"{out.name}.build.log"
+        # One log per target set: building the server later keeps the tool's log.
+        tag = "" if todo == (TOOL,) else "." + "+".join(todo)
+        log_path = out.parent / f"{out.name}{tag}.build.log"
+        fixed = fixed_args(todo)
+        keep = tuple(d for t in todo for d in NEEDS_DIRS.get(t, ()))
+        cost = " + ".join(BUILD_MINUTES.get(t, "minutes") for t in todo)
         t0 = time.monotonic()
-        say(f"building llama.cpp's {', '.join(TARGETS)} from llama-cpp-python {ver}'s vendored "
-            f"source with install.sh's flags ({jobs} jobs; 9 CPU-minutes, ~5 min on 2 idle "
-            f"cores; log: {log_path})")
+        say(f"building llama.cpp's {', '.join(todo)} from llama-cpp-python {ver}'s vendored "
+            f"source with install.sh's flags ({jobs} jobs; {cost}; log: {log_path})")
         with tempfile.TemporaryDirectory(prefix="llamacpp-build-") as work, \
                 open(log_path, "w") as log:
             work = Path(work)
             try:
-                tree = source_tree(ver, work, say)
-                _run_logged(["cmake", "-S", str(tree), "-B", str(work / "build"), *FIXED_ARGS,
+                tree = source_tree(ver, work, say, keep)
+                _run_logged(["cmake", "-S", str(tree), "-B", str(work / "build"), *fixed,
                              *args], log, say, "configure")
                 _run_logged(["cmake", "--build", str(work / "build"), "--config", "Release",
-                             "-j", str(jobs), "--target", *TARGETS], log, say, "compile")
+                             "-j", str(jobs), "--target", *todo], log, say, "compile")
             except (subprocess.CalledProcessError, OSError) as e:
                 raise LocalspecError(f"building llama.cpp's tools failed ({e}); log: "
                                      f"{log_path}") from None
+            found = {}
+            for t in todo:
+                found[t] = next((p for p in (work / "build").rglob(t) if p.is_file()), None)
+                if found[t] is None:
+                    raise LocalspecError(f"the build made no {t}; log: {log_path}")
+            # Into the folder (made whole first, then each binary renamed into place), beside
+            # whatever an earlier build left there.
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            for t in TARGETS:
-                found = next((work / "build").rglob(t), None)
-                if found is None:
-                    raise LocalspecError(f"the build made no {t}; log: {log_path}")
-                shutil.copy2(found, tmp / t)
-            (tmp / "BUILD").write_text(f"llama-cpp-python {ver}\n{' '.join(FIXED_ARGS)}\n"
-                                       f"{' '.join(args)}\n")
-            shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
-        say(f"built {', '.join(TARGETS)} in {(time.monotonic() - t0) / 60:.1f} min: {out}")
+            for t, path in found.items():
+                shutil.copy2(path, tmp / t)
+            note = (f"llama-cpp-python {ver}: {', '.join(todo)}\n{' '.join(fixed)}\n"
+                    f"{' '.join(args)}\n")
+            if out.is_dir():
+                for t in todo:
+                    os.replace(tmp / t, out / t)
+                with open(out / "BUILD", "a") as f:
+                    f.write(note)
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                (tmp / "BUILD").write_text(note)
+                os.replace(tmp, out)
+        say(f"built {', '.join(todo)} in {(time.monotonic() - t0) / 60:.1f} min: {out}")
     return out
 
 
 def main(argv: list) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog=BUILD_COMMAND, description="Build llama.cpp's stock "
+                                 "binaries from the wheel's vendored source and flags, once.")
+    ap.add_argument("--target", choices=(TOOL, SERVER), default=TOOL,
+                    help=f"which binary (default {TOOL}; {SERVER} for scripts/bench_parallel.py)")
+    ap.add_argument("--path", action="store_true", help="print where it is, built or not")
+    ap.add_argument("-j", "--jobs", type=int, default=None, help="compile jobs (default: cores)")
+    a = ap.parse_args(argv)
     try:
-        if "--path" in argv:
-            print(tool_path())
+        if a.path:
+            print(tool_path(a.target))
             return 0
-        print(build() / TOOL)
+        print(build(jobs=a.jobs, targets=(a.target,)) / a.target)
     except LocalspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
