@@ -1,7 +1,7 @@
-"""`localspec serve --http`: the OpenAI-compatible server (starlette routes on uvicorn). One engine on
-its own worker thread runs generations one at a time from a bounded FIFO queue (http_worker.py);
-the async side only parses requests, queues jobs and streams their pieces. Request/response
-shapes: openai_api.py, infill_api.py.
+"""`localspec serve --http`: the OpenAI-compatible server (starlette routes on uvicorn). One engine
+per slot (`--parallel N`), each on its own thread, runs generations from one bounded FIFO queue
+(http_worker.py); the async side only parses requests, queues jobs and streams their pieces.
+Request/response shapes: openai_api.py, infill_api.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..llama.rpc import attached as rpc_attached, on_lost as rpc_on_lost
-from ..speculative.engine import Engine
 from .checks import model_info, parse_json, speculation_info
 from .http_worker import Job, Worker
 from .infill_api import infill_body, infill_chunk, parse_infill_request
@@ -56,10 +55,11 @@ class Service:
 
     # -- endpoints ---------------------------------------------------------------------------
     async def health(self, request):
+        busy, waiting = self.worker.busy(), self.worker.waiting()
         return JSONResponse({"status": "ok", "model": self.names[0],
-                             "queue": {"running": self.worker.busy(),
-                                       "waiting": self.worker.waiting(),
-                                       "max": self.worker.max_queue}})
+                             "queue": {"running": busy > 0, "waiting": waiting,
+                                       "max": self.worker.max_queue},
+                             "slots": self.worker.slots, "busy": busy, "queued": waiting})
 
     async def models(self, request):
         self._auth(request)
@@ -239,24 +239,27 @@ def build_app(service: Service) -> Starlette:
         ApiError: _api_error, HTTPException: _http_error, Exception: _crash})
 
 
-def serve_http(engine: Engine, sock, settings: HttpSettings, say=print) -> None:
-    """Serve `engine` on the listening socket until Ctrl-C/SIGTERM (which cancel running work),
-    then keep the live prompt state for the next start."""
+def serve_http(engines: list, sock, settings: HttpSettings, say=print) -> None:
+    """Serve `engines` (one per slot, over one model) on the listening socket until
+    Ctrl-C/SIGTERM (which cancel running work), then keep the live prompt states for the next
+    start."""
     import uvicorn
 
-    engine.prepare()      # calibrate now, not inside the first request
-    worker = Worker(engine, settings.max_queue)
+    engine = engines[0]
+    engine.prepare()      # calibrate now (once: the slots share the curve), not in a request
+    worker = Worker(engines, settings.max_queue)
     service = Service(worker, model_names(settings.model_arg, engine.model.path),
-                      {**model_info(engine), **speculation_info(engine)}, settings.api_key,
-                      settings.max_body)
+                      {**model_info(engine), **speculation_info(engine), "slots": len(engines)},
+                      settings.api_key, settings.max_body)
     config = uvicorn.Config(build_app(service), log_level="warning", access_log=False,
                             lifespan="off", http="h11", ws="none", loop="asyncio",
                             timeout_graceful_shutdown=5)
     server = _server_class(uvicorn)(config, on_exit=worker.cancel_all)
     host, bound = settings.host, sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
+    slots = f", {len(engines)} slots of {engine.ctx.n_ctx} tokens" if len(engines) > 1 else ""
     say(f"localspec: serving {service.names[0]} at http://{shown}:{bound}/v1 "
-        "(OpenAI-compatible; Ctrl-C stops)")
+        f"(OpenAI-compatible{slots}; Ctrl-C stops)")
     if rpc_attached():                  # a lost server ends this process: answer clients first
         rpc_on_lost(worker.fail_all)
     worker.start()
@@ -265,7 +268,8 @@ def serve_http(engine: Engine, sock, settings: HttpSettings, say=print) -> None:
         server.run(sockets=[sock])
     finally:
         worker.stop()
-        engine.keep_live_state()
+        for each in engines:
+            each.keep_live_state()
 
 
 def _server_class(uvicorn):

@@ -1,7 +1,8 @@
-"""The engine side of `localspec serve --http`: one worker thread owns the engine and runs the
-queued jobs one at a time, in arrival order, reporting each job's events to the event loop
-(http_server.py streams them). A bounded queue answers 503 with a Retry-After estimate when full;
-shutdown and a lost RPC server end running and queued jobs with an error their clients see.
+"""The engine side of `localspec serve --http`: one thread per slot (`--parallel N`; one engine
+when N is 1) takes the queued jobs in arrival order and runs each to its end, reporting its
+events to the event loop (http_server.py streams them). A bounded queue answers 503 with a
+Retry-After estimate when full; shutdown and a lost RPC server end running and queued jobs with
+an error their clients see. A job's failure stays its own: the other slots run on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..errors import LocalspecError
 from ..speculative.engine import Engine
 from ..speculative.stats import GenerationStats
 from .fim import Prefill, infill
+from .job_queue import JobQueue
 from .openai_api import ApiError, GenRequest
 
 
@@ -47,44 +49,53 @@ class Job:
 
 
 class Worker:
-    """Owns the engine: one thread takes jobs in arrival order and runs each to its end."""
+    """Owns the engines: slot i's thread runs jobs on engines[i], one at a time, taking them
+    from one queue in arrival order."""
 
-    def __init__(self, engine: Engine, max_queue: int):
-        self.engine = engine
-        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
+    def __init__(self, engines: list, max_queue: int):
+        self.engines = engines
+        self.jobs = JobQueue(len(engines), max_queue)
         self._pending: set = set()          # queued or running, for cancel_all()
         self._lock = threading.Lock()
         self._mean_s = 1.0                  # running mean of a job's duration, for Retry-After
-        self._running = False
         self.closing = False                # SIGTERM/Ctrl-C seen: no new work
         self.lost: Optional[ApiError] = None    # the engine's RPC server is gone: this error
-        self._thread = threading.Thread(target=self._loop, name="localspec-engine", daemon=True)
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True,
+                                          name=f"localspec-slot-{i}")
+                         for i in range(len(engines))]
         self.max_queue = max_queue
 
+    @property
+    def slots(self) -> int:
+        return len(self.engines)
+
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue `job`, or answer 503 with a Retry-After estimate when the queue is full."""
+        """Queue `job`, or answer 503 with a Retry-After estimate when the queue is full: the
+        waiting jobs and this one, spread over the slots, at the mean job's duration."""
         with self._lock:
             if self.lost is not None:
                 raise self.lost
             if self.closing:
                 raise shutting_down()
             try:
-                self._queue.put_nowait(job)
+                self.jobs.put(job)
             except queue.Full:
-                wait = math.ceil(self._mean_s * (self._queue.qsize() + 1))
+                wait = math.ceil(self._mean_s * (self.jobs.waiting + 1) / self.slots)
                 raise ApiError(503, f"the server is busy: {self.max_queue} requests are already "
                                     "waiting; retry later", code="queue_full",
                                headers={"Retry-After": str(min(60, max(1, wait)))}) from None
             self._pending.add(job)
 
     def waiting(self) -> int:
-        return self._queue.qsize()
+        return self.jobs.waiting
 
-    def busy(self) -> bool:
-        return self._running
+    def busy(self) -> int:
+        """Slots running a job now."""
+        return self.jobs.busy
 
     def cancel_all(self) -> None:
         """The server is stopping: refuse new jobs; queued and running ones end at once with a
@@ -110,31 +121,33 @@ class Worker:
 
     def stop(self, timeout: float = 30.0) -> None:
         self.cancel_all()
-        self._queue.put(None)               # after the jobs already queued (each ends at once)
-        self._thread.join(timeout)
+        self.jobs.close()                   # after the jobs already queued (each ends at once)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _loop(self) -> None:
+    def _loop(self, slot: int) -> None:
+        engine = self.engines[slot]
         while True:
-            job = self._queue.get()
+            job = self.jobs.take(slot)
             if job is None:
                 return
-            self._running = True
             try:
-                self._run(job)
+                self._run(job, engine)
             finally:
-                self._running = False
                 with self._lock:
                     self._pending.discard(job)
-                self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - job.started)
+                    self._mean_s = 0.8 * self._mean_s + 0.2 * (time.monotonic() - job.started)
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job, engine: Engine) -> None:
         job.started = time.monotonic()
         if job.shutdown:
             return job.emit("error", shutting_down())
         if job.cancel.is_set():             # its client left while it waited: never started
             return job.emit("done", "", GenerationStats(stop_reason="cancelled"), None)
         try:
-            gen = self._start(job)
+            gen = self._start(job, engine)
         except ApiError as e:
             return job.emit("error", e)
         except LocalspecError as e:         # the request cannot run: say why (no chat template...)
@@ -151,8 +164,8 @@ class Worker:
             return job.emit("error", shutting_down())
         job.emit("done", gen.text, gen.stats, gen)
 
-    def _start(self, job: Job):
-        req, engine = job.req, self.engine
+    def _start(self, job: Job, engine: Engine):
+        req = job.req
         policy = None if req.fixed_k is None else \
             replace(engine.config.policy, fixed_k=req.fixed_k)
         if req.fim is not None and req.max_tokens == 0:
@@ -166,9 +179,11 @@ class Worker:
                            param=where, code="invalid_value")
         n_ctx = engine.ctx.n_ctx
         if len(tokens) >= n_ctx:
+            more = "--ctx" if self.slots == 1 else \
+                f"--ctx or a lower --parallel (each of its {self.slots} slots holds {n_ctx})"
             raise ApiError(400, f"this model's context holds {n_ctx} tokens, but the prompt has "
                                 f"{len(tokens)}; shorten it or restart the server with a larger "
-                                "--ctx", param=where, code="context_length_exceeded")
+                                f"{more}", param=where, code="context_length_exceeded")
         return engine.generate(tokens, req.sampling, max_tokens=req.max_tokens or n_ctx,
                                stop=req.stop, document=req.document, speculate=req.speculate,
                                cancel=job.cancel, policy=policy)

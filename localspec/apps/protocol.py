@@ -1,15 +1,17 @@
 """The editor protocol's logic: JSON-RPC 2.0 messages, generate params, the request queue and the
-one worker that runs the engine. The transport (lines on stdio) is stdio.py, the command cli/serve.py.
+slot threads that run the engines. The transport (lines on stdio) is stdio.py, the command
+cli/serve.py.
 
-A reader thread parses incoming lines and answers `initialize`, `cancel` and `shutdown` at once;
-`generate` requests queue for one worker (the caller of Server.serve), since the engine runs one
-request at a time. docs/protocol.md is the specification; examples/editor_client.py a client.
+A reader thread parses incoming lines and answers `initialize`, `status`, `cancel` and
+`shutdown` at once; generation requests queue for the slots (`--parallel N`: N engines over one
+model, each running one request at a time; slot 0 runs on the caller of Server.serve), and
+start in arrival order. docs/protocol.md is the specification; examples/editor_client.py a
+client.
 """
 
 from __future__ import annotations
 
 import json
-import queue
 import sys
 import threading
 from dataclasses import dataclass, field, replace
@@ -26,13 +28,15 @@ from .completion import COMPLETE_PARAMS, REWRITE_PARAMS, parse_complete, parse_r
 from .edit import PROTOCOL, Rewrite
 from .fim import Prefill, infill
 from .heal import Healed
+from .job_queue import JobQueue
 
 PROTOCOL_VERSION = 1
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR, GENERATION_ERROR = -32602, -32603, -32000
 PROGRESS = "generate/progress"     # notification method carrying streamed text
 DEFAULT_MAX_TOKENS = 256
-METHODS = ("initialize", "generate", "complete", "prefill", "rewrite", "cancel", "shutdown")
+METHODS = ("initialize", "generate", "complete", "prefill", "rewrite", "cancel", "status",
+           "shutdown")
 GENERATE_PARAMS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
                    "repeat_penalty", "seed", "stop", "document", "speculate", "stream", "k",
                    "heal")
@@ -79,13 +83,7 @@ class Job:
     task: Optional[Callable] = None      # (engine, job, policy) -> the running task
     cancel: threading.Event = field(default_factory=threading.Event)
     heal: bool = False                   # a raw prompt ending inside a token: heal it (heal.py)
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Queue marker after `shutdown` (id = its request id) or EOF on stdin (id = NOTE)."""
-
-    id: object
+    started: bool = False                # a slot has taken it (for `status`)
 
 
 # -- params --------------------------------------------------------------------------------------
@@ -201,29 +199,40 @@ def parse_envelope(line: bytes):
 
 # -- the server ----------------------------------------------------------------------------------
 class Server:
-    """Owns the request queue and the table of unfinished generates. Only the worker (the thread
-    in serve()) uses the engine; the reader thread touches the queue, the table and the writer
-    (anything with send(message) -> bool, False once the client is gone: stdio.Writer)."""
+    """Owns the request queue and the table of unfinished requests. Only slot i's thread uses
+    engines[i]; the reader thread touches the queue, the table and the writer (anything with
+    send(message) -> bool, False once the client is gone: stdio.Writer)."""
 
-    def __init__(self, engine: Engine, writer):
-        self.engine, self.writer = engine, writer
-        self._queue: "queue.Queue[Union[Job, Stop]]" = queue.Queue()
+    def __init__(self, engines: list, writer):
+        self.engines, self.writer = engines, writer
+        self._queue = JobQueue(len(engines))
         self._jobs: dict = {}               # request id -> Job, queued or running
-        self._lock = threading.RLock()      # guards _jobs and _closing
+        self._lock = threading.RLock()      # guards _jobs, _closing and _stop_id
         self._closing = False
-        self._info = describe(engine)       # computed here: the reader never calls the engine
+        self._stop_id = NOTE                # the `shutdown` to answer last (NOTE: EOF, none)
+        self._info = describe(engines[0], len(engines))   # the reader never calls an engine
 
     def serve(self, lines: Iterable[bytes]) -> None:
-        """Read `lines` on a daemon thread; run generations here until shutdown or EOF."""
+        """Read `lines` on a daemon thread; run generations on slot 0 here and on the other
+        slots' threads until shutdown or EOF, then answer the `shutdown` (the last message)."""
         threading.Thread(target=self._read, args=(lines,), name="localspec-stdin",
                          daemon=True).start()
+        others = [threading.Thread(target=self._slot, args=(i,), name=f"localspec-slot-{i}",
+                                   daemon=True) for i in range(1, len(self.engines))]
+        for thread in others:
+            thread.start()
+        self._slot(0)
+        for thread in others:
+            thread.join()
+        if self._stop_id is not NOTE:
+            self._send({"jsonrpc": "2.0", "id": self._stop_id, "result": None})
+
+    def _slot(self, slot: int) -> None:
         while True:
-            item = self._queue.get()
-            if isinstance(item, Stop):
-                if item.id is not NOTE:
-                    self._send({"jsonrpc": "2.0", "id": item.id, "result": None})
+            job = self._queue.take(slot)
+            if job is None:
                 return
-            self._run(item)
+            self._run(job, self.engines[slot])
 
     # -- reader thread ---------------------------------------------------------------------------
     def _read(self, lines: Iterable[bytes]) -> None:
@@ -245,7 +254,8 @@ class Server:
             return True                     # other notifications are accepted and ignored
         handler = {"initialize": self._initialize, "generate": self._generate,
                    "complete": self._task, "prefill": self._task, "rewrite": self._task,
-                   "cancel": self._cancel, "shutdown": self._stop_request}.get(method)
+                   "cancel": self._cancel, "status": self._status,
+                   "shutdown": self._stop_request}.get(method)
         try:
             if handler is None:
                 raise RpcError(METHOD_NOT_FOUND, f"unknown method '{method}' (this server has: "
@@ -267,10 +277,10 @@ class Server:
 
     def _generate(self, rid, params, job: Optional[Job] = None):
         job = job or parse_generate(rid, params)
-        with self._lock:
+        with self._lock:                    # queued before a `shutdown` can close the queue
             self._admissible(rid)
             self._jobs[rid] = job
-        self._queue.put(job)
+            self._queue.put(job)
         return DEFERRED
 
     def _task(self, rid, params, method: str):
@@ -306,36 +316,48 @@ class Server:
                 job.cancel.set()
         return {"cancelled": job is not None}
 
+    def _status(self, rid, params) -> dict:
+        """What runs and waits now: the slots, how many are busy, the queue, the requests' ids
+        (unanswered ones only: a request is off the table before its answer is sent)."""
+        with self._lock:
+            jobs = list(self._jobs.values())        # in arrival order
+        running = [job.id for job in jobs if job.started]
+        waiting = [job.id for job in jobs if not job.started]
+        return {"slots": len(self.engines), "busy": len(running), "queued": len(waiting),
+                "running": running, "waiting": waiting}
+
     def _stop_request(self, rid, params):
         self._stop(rid)
         return DEFERRED
 
     def _stop(self, rid) -> None:
-        """Cancel everything unfinished; the worker answers those, then `rid`, then returns."""
+        """Cancel everything unfinished; the slots answer those, then serve() answers `rid`
+        and returns."""
         with self._lock:
             if self._closing:
                 return
-            self._closing = True
+            self._closing, self._stop_id = True, rid
             for job in self._jobs.values():
                 job.cancel.set()
-        self._queue.put(Stop(rid))
+        self._queue.close()
 
-    # -- worker ----------------------------------------------------------------------------------
-    def _run(self, job: Job) -> None:
+    # -- slots -----------------------------------------------------------------------------------
+    def _run(self, job: Job, engine: Engine) -> None:
+        job.started = True
         if job.cancel.is_set():             # cancelled while queued: never started
             return self._finish(job, {"cancelled": True} if job.kind == "prefill" else
                                 result("", GenerationStats(stop_reason="cancelled")))
         policy = None if job.fixed_k is None else \
-            replace(self.engine.config.policy, fixed_k=job.fixed_k)
+            replace(engine.config.policy, fixed_k=job.fixed_k)
         try:
             if job.task is not None:
-                gen = job.task(self.engine, job, policy)
+                gen = job.task(engine, job, policy)
             elif job.heal:
-                gen = Healed(self.engine, self._tokens(job), self._text_start(), job.sampling,
+                gen = Healed(engine, self._tokens(job, engine), _text_start(engine), job.sampling,
                              max_tokens=job.max_tokens, cancel=job.cancel, stop=job.stop,
                              document=job.document, speculate=job.speculate, policy=policy)
             else:
-                gen = self.engine.generate(self._tokens(job), job.sampling,
+                gen = engine.generate(self._tokens(job, engine), job.sampling,
                                            max_tokens=job.max_tokens,
                                            stop=job.stop, document=job.document,
                                            speculate=job.speculate, cancel=job.cancel,
@@ -351,24 +373,21 @@ class Server:
             return self._finish(job, error=(INTERNAL_ERROR, _bug(e)))
         self._finish(job, done)
 
-    def _tokens(self, job: Job) -> list:
+    def _tokens(self, job: Job, engine: Engine) -> list:
         """The prompt's tokens, or the error a client can act on (its fields, not our flags)."""
-        tokens = self.engine.tokenize_prompt(job.prompt)
+        tokens = engine.tokenize_prompt(job.prompt)
         where = "'messages'" if isinstance(job.prompt, list) else "'prompt'"
         if not tokens:
             raise LocalspecError(f"the prompt is empty: {where} has no tokens for this model.")
-        n_ctx, n_train = self.engine.ctx.n_ctx, self.engine.model.n_ctx_train
+        n_ctx, n_train = engine.ctx.n_ctx, engine.model.n_ctx_train
         if len(tokens) >= n_ctx:
+            more = "--ctx" if len(self.engines) == 1 else \
+                f"--ctx or a lower --parallel (each of its {len(self.engines)} slots holds {n_ctx})"
             raise LocalspecError(
                 f"the prompt is {len(tokens)} tokens but the server's context holds {n_ctx}; "
-                f"shorten {where}, or start the server with a larger --ctx (the model was "
+                f"shorten {where}, or start the server with a larger {more} (the model was "
                 f"trained on {n_train}).")
         return tokens
-
-    def _text_start(self) -> int:
-        """Where a raw prompt's text begins in its tokens (after BOS)."""
-        model = self.engine.model
-        return 1 if model.add_bos and model.bos >= 0 else 0
 
     def _finish(self, job: Job, result=None, error=None) -> None:
         with self._lock:                    # from here on, cancel answers {"cancelled": false}
@@ -393,14 +412,20 @@ def result(text: str, stats: GenerationStats) -> dict:
     return {"text": text, "finish_reason": stats.stop_reason, "stats": d}
 
 
-def describe(engine: Engine) -> dict:
-    """The `initialize` result."""
+def _text_start(engine: Engine) -> int:
+    """Where a raw prompt's text begins in its tokens (after BOS)."""
+    model = engine.model
+    return 1 if model.add_bos and model.bos >= 0 else 0
+
+
+def describe(engine: Engine, slots: int = 1) -> dict:
+    """The `initialize` result (`model.n_ctx` is what one request may use: a slot's context)."""
     d = SamplingParams()
     return {
         "protocol_version": PROTOCOL_VERSION,
         "server": {"name": "localspec", "version": __version__},
         "model": model_info(engine),
-        "capabilities": {"streaming": True, "cancel": True, "document": True,
+        "capabilities": {"streaming": True, "cancel": True, "document": True, "slots": slots,
                          "complete": engine.model.fim_tokens() is not None,
                          "messages": engine.model.chat_template() is not None,
                          **speculation_info(engine)},

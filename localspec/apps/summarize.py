@@ -1,6 +1,7 @@
 """Offline summarisation: find the inputs, split long documents into chunks that fit the context,
 summarise them map-reduce style, and write each output atomically so an interrupted batch resumes.
-The click options and the progress display live in cli/summarize.py.
+The click options and the progress display live in cli/summarize.py; chunks.py cuts the text,
+summarize_parallel.py runs a batch N documents at a time (--parallel).
 """
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ import contextlib
 import fnmatch
 import json
 import os
-import re
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Callable, Iterable, Optional, Sequence
 
 from ..errors import LocalspecError
 from ..speculative.stats import GenerationStats
+from .chunks import split_chunks
 
 DEFAULT_GLOBS = ("*.md", "*.markdown", "*.txt", "*.rst", "*.py")
 DEFAULT_INSTRUCTION = ("Summarize the following document in one short paragraph. Keep the key "
@@ -119,73 +121,6 @@ def read_source(src: Source, stdin=None) -> str:
     return text
 
 
-# -- chunking --------------------------------------------------------------------------------------
-# Boundaries from coarse to fine: paragraphs (blank lines), lines, sentences; then a hard split.
-_LEVELS = (re.compile(r"\n[ \t]*\n\s*"), re.compile(r"\n"), re.compile(r"(?<=[.!?;:])\s+"))
-
-
-def split_chunks(text: str, budget: int, count: Callable[[str], int], _level: int = 0) -> list:
-    """Split `text` into consecutive slices with count(slice) <= budget, cutting at the coarsest
-    boundary that works; "".join(result) == text (separators stay with the piece before them).
-
-    Example with count=len, budget=12: "aaaa bbbb.\\n\\ncc\\n\\nddddddddddddddd" ->
-    ["aaaa bbbb.\\n\\n", "cc\\n\\n", "dddddddddddd", "ddd"]: the first two paragraphs do not fit
-    together (10 + 4 > 12), and the last one has no boundary, so it is hard-split.
-    """
-    pieces = []
-    for piece in _pieces(text, _LEVELS[_level]):
-        if count(piece) <= budget:
-            pieces.append(piece)
-        elif _level + 1 < len(_LEVELS):
-            pieces.extend(split_chunks(piece, budget, count, _level + 1))
-        else:
-            pieces.extend(_hard_split(piece, budget, count))
-    return _pack(pieces, budget, count)
-
-
-def _pieces(text: str, boundary: re.Pattern) -> list:
-    """Cut after each boundary match: "a\\n\\nb" -> ["a\\n\\n", "b"]."""
-    out, start = [], 0
-    for m in boundary.finditer(text):
-        if m.end() > start and m.start() > start:
-            out.append(text[start:m.end()])
-            start = m.end()
-    if start < len(text):
-        out.append(text[start:])
-    return out
-
-
-def _pack(pieces: list, budget: int, count: Callable[[str], int]) -> list:
-    """Greedily join consecutive pieces (each within budget) while the joined text fits.
-    Counts the joined text itself: token counts of a concatenation are not always additive."""
-    chunks, current = [], ""
-    for piece in pieces:
-        if current and count(current + piece) > budget:
-            chunks.append(current)
-            current = ""
-        current += piece
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def _hard_split(text: str, budget: int, count: Callable[[str], int]) -> list:
-    """Longest prefixes that fit (binary search on characters); at least one character each.
-    The search stops at 32 characters a token, so a huge unbroken line costs no huge counts."""
-    out = []
-    while text:
-        lo, hi = 1, min(len(text), 32 * budget)   # text[:lo] is taken; the fit is <= hi
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if count(text[:mid]) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        out.append(text[:lo])
-        text = text[lo:]
-    return out
-
-
 # -- map-reduce ------------------------------------------------------------------------------------
 @dataclass
 class Summary:
@@ -200,10 +135,12 @@ class Summarizer:
     summaries (recursively, while they do not fit one prompt)."""
 
     def __init__(self, engine, sampling, max_tokens: int,
-                 instruction: str = DEFAULT_INSTRUCTION, stop: Sequence[str] = ()):
+                 instruction: str = DEFAULT_INSTRUCTION, stop: Sequence[str] = (),
+                 cancel: Optional[threading.Event] = None):
         self.engine, self.sampling, self.max_tokens = engine, sampling, max_tokens
         self.instruction, self.stop = instruction, tuple(stop)
-        self._budgets: dict = {}
+        self.cancel = cancel            # set: the call running stops, summarize() raises
+        self._budgets: dict = {}        # KeyboardInterrupt (a batch of slot threads stopping)
 
     def messages(self, body: str, reduce: bool = False) -> list:
         """One user message, the instruction first: every call of a run (each chunk, each
@@ -257,9 +194,13 @@ class Summarizer:
     def _call(self, body: str, reduce: bool, result: Summary, on_call) -> str:
         # The body is also the n-gram proposer's lookup document: summaries copy names, terms
         # and phrases from it, and those copies are where drafts get accepted.
+        stopper = {} if self.cancel is None else {"cancel": self.cancel}
         gen = self.engine.generate(self.messages(body, reduce), self.sampling,
-                                   max_tokens=self.max_tokens, stop=self.stop, document=body)
+                                   max_tokens=self.max_tokens, stop=self.stop, document=body,
+                                   **stopper)
         text = gen.complete().strip()
+        if self.cancel is not None and self.cancel.is_set():
+            raise KeyboardInterrupt             # the batch stops: this summary is partial
         result.stats.merge(gen.stats)
         result.calls += 1
         if on_call is not None:
@@ -363,15 +304,13 @@ def run_batch(sources: Sequence[Source], open_summarizer: Callable[[], Summarize
               force: bool = False, progress: Progress = Progress(), stdin=None) -> BatchResult:
     """Summarise every source in order. Without out_dir, `emit` gets the text for stdout.
     The model is opened on the first document that needs it (a finished batch reruns instantly).
-    Ctrl-C stops between or inside documents: finished outputs stay, the partial one is dropped."""
+    Ctrl-C stops between or inside documents: finished outputs stay, the partial one is dropped.
+    (--parallel N: summarize_parallel.py, N documents at a time.)"""
     result, summarizer = BatchResult(len(sources)), None
-    headers = out_dir is None and fmt == "text" and len(sources) > 1
+    deliver = Delivery(result, progress, emit, out_dir, fmt, force)
     try:
         for i, src in enumerate(sources, 1):
-            target = output_path(out_dir, src, fmt) if out_dir is not None else None
-            if target is not None and not force and not src.error and target.exists():
-                result.skipped += 1
-                progress.skipped(i, src)
+            if deliver.skip(i, src):
                 continue
             progress.started(i, src)
             try:
@@ -379,27 +318,66 @@ def run_batch(sources: Sequence[Source], open_summarizer: Callable[[], Summarize
                 if summarizer is None:
                     summarizer = open_summarizer()
                 summary = summarizer.summarize(text, lambda s: progress.call_done(src, s))
-                out = render(src, summary, fmt)
-                if target is not None:
-                    write_atomic(target, out)
-                else:
-                    emit((f"==> {src.display} <==\n" if headers else "") + out
-                         + ("\n" if headers and i < len(sources) else ""))
             except DocumentError as e:
-                result.failed += 1
-                progress.failed(i, src, str(e))
+                deliver.failed(i, src, str(e))
                 continue
-            except BrokenPipeError:                       # stdout's reader is gone (`| head`):
-                raise                                     # the batch ends there, quietly
-            except OSError as e:                          # the output could not be written
-                result.failed += 1
-                progress.failed(i, src, f"cannot write {target}: {e.strerror or e}")
-                continue
-            result.summarized += 1
-            result.chunked += summary.chunks > 1
-            result.calls += summary.calls
-            result.stats.merge(summary.stats)
-            progress.done(i, src, summary)
+            deliver.done(i, src, summary)
     except KeyboardInterrupt:
         result.interrupted = True
     return result
+
+
+class Delivery:
+    """What happens to each document's outcome, in the batch's order: skipped when its output
+    exists, written (-o) or emitted (stdout, with headers between several), counted, shown."""
+
+    def __init__(self, result: BatchResult, progress: Progress, emit: Callable[[str], None],
+                 out_dir: Optional[Path], fmt: str, force: bool):
+        self.result, self.progress, self.emit = result, progress, emit
+        self.out_dir, self.fmt, self.force = out_dir, fmt, force
+        self.headers = out_dir is None and fmt == "text" and result.total > 1
+
+    def target(self, src: Source) -> Optional[Path]:
+        return output_path(self.out_dir, src, self.fmt) if self.out_dir is not None else None
+
+    def exists(self, src: Source) -> bool:
+        """Whether `src`'s output exists and --force was not given: nothing to do."""
+        target = self.target(src)
+        return target is not None and not self.force and not src.error and target.exists()
+
+    def skip(self, i: int, src: Source) -> bool:
+        """True (and counted) when `src`'s output exists and --force was not given."""
+        if self.exists(src):
+            self.skipped(i, src)
+            return True
+        return False
+
+    def skipped(self, i: int, src: Source) -> None:
+        self.result.skipped += 1
+        self.progress.skipped(i, src)
+
+    def failed(self, i: int, src: Source, message: str) -> None:
+        self.result.failed += 1
+        self.progress.failed(i, src, message)
+
+    def done(self, i: int, src: Source, summary: Summary) -> None:
+        """Write or emit the summary of the i-th source (1-based). A closed stdout (`| head`)
+        ends the batch quietly (BrokenPipeError goes up); an output that cannot be written is
+        that document's failure."""
+        target, out = self.target(src), render(src, summary, self.fmt)
+        try:
+            if target is not None:
+                write_atomic(target, out)
+            else:
+                self.emit((f"==> {src.display} <==\n" if self.headers else "") + out
+                          + ("\n" if self.headers and i < self.result.total else ""))
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            return self.failed(i, src, f"cannot write {target}: {e.strerror or e}")
+        result = self.result
+        result.summarized += 1
+        result.chunked += summary.chunks > 1
+        result.calls += summary.calls
+        result.stats.merge(summary.stats)
+        self.progress.done(i, src, summary)

@@ -14,7 +14,7 @@ import click
 from ..apps.openai_api import DEFAULT_MAX_BODY, DEFAULT_QUEUE, HttpSettings, api_key_problem
 from ..apps.supervise import LISTEN_FD, HttpSupervisor, supervised
 from ..errors import LocalspecError
-from .options import open_engine
+from .options import open_engines
 
 
 def http_options(f):
@@ -31,8 +31,9 @@ def http_options(f):
                      show_default=True, help="With --http: refuse request bodies larger than "
                                              "this many bytes (413)."),
         click.option("--queue", "max_queue", type=click.IntRange(1), default=DEFAULT_QUEUE,
-                     show_default=True, help="With --http: requests that may wait behind the "
-                                             "running one; more are answered 503 + Retry-After."),
+                     show_default=True, help="With --http: requests that may wait for a slot "
+                                             "(behind the running ones); more are answered "
+                                             "503 + Retry-After."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -103,5 +104,5 @@ def run_http(kw: dict, *, learn: bool) -> None:
             code = HttpSupervisor(sys.argv[1:], sock, say=lambda line: click.echo(line, err=True)
                                   ).run()
         raise SystemExit(code)
-    with sock, open_engine(kw, learn=learn) as engine:
-        serve_http(engine, sock, settings, say=lambda line: click.echo(line, err=True))
+    with sock, open_engines(kw, learn=learn) as engines:
+        serve_http(engines, sock, settings, say=lambda line: click.echo(line, err=True))

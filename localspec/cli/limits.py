@@ -12,6 +12,7 @@ from typing import Optional
 import click
 
 from ..llama import Model, default_threads
+from ..llama.slots import slot_size
 from ..speculative.config import EngineConfig
 
 CTX_MAX = 2**31 - 1         # llama.cpp keeps positions in int32 (n_ctx is a uint32 that wraps)
@@ -43,19 +44,24 @@ def available_memory() -> Optional[int]:
     return None
 
 
-def check_context(model: Model, config: EngineConfig) -> None:
-    """A usage error, before the context is allocated, when --ctx is more than
-    CTX_TRAINING_FACTOR times the model's training context, or when its KV cache (f16, on this
-    machine: no GPU or RPC layers) needs more than the memory available.
+def check_context(model: Model, config: EngineConfig, slots: int = 1) -> None:
+    """A usage error, before the context is allocated, when one request's context (--ctx, or a
+    slot's share of it with --parallel) is more than CTX_TRAINING_FACTOR times the model's
+    training context, or when the whole KV cache (f16, on this machine: no GPU or RPC layers)
+    needs more than the memory available.
 
     Example: the 1.5B model (28 KiB of KV a token, trained on 32768) with --ctx 2000000000:
-    refused, 2000000000 > 8 x 32768."""
+    refused, 2000000000 > 8 x 32768; --ctx 524288 --parallel 16 passes that test (32768 a
+    slot) and is refused only if 14 GB of memory are not available."""
     n_ctx, trained, name = config.n_ctx, model.n_ctx_train, model.path.name
-    if trained > 0 and n_ctx > CTX_TRAINING_FACTOR * trained:
+    per_slot = slot_size(n_ctx, slots) if slots > 1 else n_ctx
+    if trained > 0 and per_slot > CTX_TRAINING_FACTOR * trained:
+        what = f"{n_ctx} tokens" if slots == 1 else \
+            f"{per_slot} tokens a slot (--ctx {n_ctx} shared by {slots} slots)"
         raise click.BadParameter(
-            f"{n_ctx} tokens is more than {CTX_TRAINING_FACTOR} times the {trained} that {name} "
-            f"was trained on; lower --ctx (at most {trained} keeps the output sound), or pass "
-            "--force-ctx to try anyway.", param_hint="'--ctx'")
+            f"{what} is more than {CTX_TRAINING_FACTOR} times the {trained} that {name} "
+            f"was trained on; lower --ctx (at most {trained * slots} keeps the output sound), "
+            "or pass --force-ctx to try anyway.", param_hint="'--ctx'")
     if config.n_gpu_layers != 0 or config.rpc:
         return                      # the KV cache goes where its layers go, not into this RAM
     need, free = n_ctx * model.kv_bytes_per_token(), available_memory()
@@ -68,10 +74,13 @@ def check_context(model: Model, config: EngineConfig) -> None:
             param_hint="'--ctx'")
 
 
-def note_rounded_context(asked: int, holds: int) -> None:
-    """llama.cpp pads a context up to a multiple of 256 tokens: say so instead of running
-    silently with another size than asked."""
-    if holds != asked:
+def note_rounded_context(asked: int, holds: int, slots: int = 1) -> None:
+    """llama.cpp pads a context up to a multiple of 256 tokens, and gives each of several slots
+    a multiple of 256: say so instead of running silently with another size than asked."""
+    if slots > 1 and holds * slots != asked:
+        click.echo(f"note: --ctx {asked} gives each of the {slots} slots {holds} tokens (a "
+                   f"multiple of 256), {holds * slots} in all.", err=True)
+    elif slots == 1 and holds != asked:
         click.echo(f"note: --ctx {asked} holds {holds} tokens (llama.cpp rounds a context up to "
                    "a multiple of 256).", err=True)
 

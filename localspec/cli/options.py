@@ -17,6 +17,7 @@ from ..apps.checks import number_problem
 from ..speculative.config import PROPOSERS, EngineConfig
 from ..speculative.engine import Engine
 from ..speculative.factory import load_model
+from ..speculative.parallel import MAX_SLOTS, Slots, check_parallel
 from ..errors import LocalspecError
 from ..files import internal_error_line, system_error_line
 from ..text import check_utf8, decode_utf8
@@ -165,6 +166,32 @@ def _stack(decorators: list):
     return wrap
 
 
+def parallel_option(f):
+    """--parallel N: how many generations run at once, each in its own slot of one context."""
+    return click.option(
+        "--parallel", type=click.IntRange(1, MAX_SLOTS), default=1, show_default=True,
+        help=f"Run up to N generations at once (at most {MAX_SLOTS}): serve answers N requests "
+             "together, summarize reads N files together. The model is loaded once; --ctx is "
+             "the total, each slot holds --ctx/N rounded down to a multiple of 256 (--ctx 8192 "
+             "--parallel 4: 2048 a request). Each request gets the text it would get alone; "
+             "drafts come from n-gram lookup (no --draft model, no draft store).")(f)
+
+
+def parallel_slots(kw: dict) -> int:
+    """--parallel, checked against --ctx and the proposer before anything loads: a usage error
+    naming the limit."""
+    n = kw.get("parallel", 1)
+    try:
+        check_parallel(n, kw["n_ctx"])
+    except LocalspecError as e:
+        raise click.BadParameter(str(e), param_hint="'--parallel'") from None
+    if n > 1 and _proposer(kw) not in ("ngram", "none"):
+        raise click.BadParameter(f"--parallel {n} runs n-gram lookup or plain decoding; a draft "
+                                 "model would need a context per slot (use --proposer ngram).",
+                                 param_hint="'--parallel'")
+    return n
+
+
 def learn_option(default, note: str = ""):
     """--learn/--no-learn: whether this run's outputs join the draft store (speculative/store.py).
     `default` per command (None: the command decides, e.g. serve by its transport)."""
@@ -277,6 +304,27 @@ def open_engine(kw: dict, *, learn: bool) -> Iterator[Engine]:
             yield engine
     finally:
         model.close()           # handed in, so the engine leaves it open: after the engine
+
+
+@contextlib.contextmanager
+def open_engines(kw: dict, *, learn: bool) -> Iterator[list]:
+    """The engines of --parallel N: [one plain Engine] (open_engine) for 1, else N engines over
+    one model and one shared context (speculative/parallel.py), one per slot thread."""
+    n = parallel_slots(kw)
+    if n == 1:
+        with open_engine(kw, learn=learn) as engine:
+            yield [engine]
+        return
+    config = engine_config(kw, learn=learn)
+    model = load_model(kw["model"], config.n_gpu_layers, config.exact, config.rpc)
+    try:
+        if not kw["force_ctx"]:
+            check_context(model, config, slots=n)
+        with Slots(model, config, n, progress=lambda msg: click.echo(msg, err=True)) as slots:
+            note_rounded_context(config.n_ctx, slots.n_ctx, slots=n)
+            yield slots.engines
+    finally:
+        model.close()
 
 
 def run_command(command: click.Command, argv=None, prog_name=None) -> None:

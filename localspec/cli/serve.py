@@ -12,7 +12,8 @@ from ..apps.protocol import Server
 from ..apps.stdio import Writer, read_lines, take_stdout
 from ..apps.supervise import serve_stdio_supervised, supervised
 from .http import http_options, run_http
-from .options import COMMAND, learn_option, model_options, open_engine, stdin
+from .options import (COMMAND, learn_option, model_options, open_engines, parallel_option,
+                      parallel_slots, stdin)
 
 
 @click.command(context_settings=COMMAND)
@@ -23,6 +24,7 @@ from .options import COMMAND, learn_option, model_options, open_engine, stdin
                    "directory, so a restarted server finds the documents it had read).")
 @http_options
 @model_options()
+@parallel_option
 @learn_option(None, "Default: learn with --stdio (one editor, one user); --no-learn with "
                     "--http, where every client's outputs would join one store: one client's "
                     "outputs could then shape (speed up, never change) another's replies, and "
@@ -44,16 +46,22 @@ def serve(stdio, no_disk_cache, **kw):
 
     --http: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models and
     /health, for the openai SDK, curl and editor plugins that take an OpenAI base URL. Binds
-    127.0.0.1 unless HOST is given; one generation at a time, the rest queue. Reference: docs/http.md.
+    127.0.0.1 unless HOST is given. Reference: docs/http.md.
+
+    One generation at a time unless --parallel N: then N run together, each in a slot of
+    --ctx/N tokens, and each gets the text it would get alone; the rest queue in arrival order
+    (GET /health and the protocol's `status` show the busy slots and the queue).
 
     \b
     Examples:
       localspec serve --stdio -m qwen2.5-coder-1.5b
       echo '{"jsonrpc":"2.0","id":1,"method":"initialize"}' | localspec serve --stdio
       localspec serve --http 8080 -m qwen2.5-coder-1.5b   # base URL http://127.0.0.1:8080/v1
+      localspec serve --http 8080 --parallel 4 --ctx 16384  # 4 requests at once, 4096 tokens each
     """
     if stdio == bool(kw["http_bind"]):
         raise click.UsageError("pass exactly one of --stdio and --http [HOST:]PORT.")
+    parallel_slots(kw)              # a usage error before anything listens or loads
     kw["cache_disk"] = not no_disk_cache
     # Learning by transport: one editor's user on stdio; over HTTP every client would share
     # (and could probe) one store, so only when asked.
@@ -65,7 +73,8 @@ def serve(stdio, no_disk_cache, **kw):
     protocol_fd = take_stdout()
     if kw.get("rpc") and not supervised():      # a lost RPC server must not end the server
         raise SystemExit(serve_stdio_supervised(sys.argv[1:], protocol_fd, requests))
-    with open_engine(kw, learn=learn) as engine:
-        engine.prepare()   # calibrate now, not inside the first (uncancellable) request
-        Server(engine, Writer(protocol_fd)).serve(read_lines(requests))
-        engine.keep_live_state()
+    with open_engines(kw, learn=learn) as engines:
+        engines[0].prepare()   # calibrate now (the slots share it), not inside a request
+        Server(engines, Writer(protocol_fd)).serve(read_lines(requests))
+        for engine in engines:
+            engine.keep_live_state()

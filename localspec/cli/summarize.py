@@ -9,11 +9,12 @@ from pathlib import Path
 import click
 
 from .options import (COMMAND, build_sampling, learn_option, model_options, open_engine,
-                      sampling_options)
+                      open_engines, parallel_option, parallel_slots, sampling_options)
 from ..errors import LocalspecError
 from ..text import check_utf8
 from ..apps.summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summarizer, Summary,
                         check_collisions, discover, parse_globs, run_batch)
+from ..apps.summarize_parallel import run_parallel
 
 
 @click.command(context_settings=COMMAND)
@@ -33,6 +34,7 @@ from ..apps.summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summ
 @click.option("-f", "--force", is_flag=True,
               help="Summarise again inputs whose output file already exists.")
 @model_options(default_proposer="ngram")
+@parallel_option
 @learn_option(True, "On by default: summaries of similar files share their shape.")
 @sampling_options()
 def summarize(inputs, output_dir, fmt, globs, instruction, force, **kw):
@@ -46,17 +48,23 @@ def summarize(inputs, output_dir, fmt, globs, instruction, force, **kw):
     interrupted batch resumes where it stopped. An unreadable, binary or empty input is reported
     and skipped; the exit code is then 1. Progress and totals go to stderr.
 
+    --parallel N summarises N documents at a time over one loaded model (each in a slot of
+    --ctx/N tokens, so long documents split into more chunks); outputs keep the input order and
+    each summary is the one a lone run writes.
+
     \b
     Examples:
       localspec summarize -m smollm2-135m README.md
       localspec summarize docs/ -o summaries/ --glob '*.md,*.rst'
       git log -p -3 | localspec summarize -i "Summarize these changes as a bullet list." -
       localspec summarize notes/ --format jsonl > summaries.jsonl
+      localspec summarize docs/ -o summaries/ --parallel 4 --ctx 16384
     """
     out_dir = output_dir
     instruction = check_utf8(instruction, "--instruction")
     if inputs.count("-") > 1:
         raise click.BadParameter("stdin (-) can be read only once.", param_hint="INPUTS")
+    parallel = parallel_slots(kw)
     sources = discover(inputs, parse_globs(globs), exclude=out_dir)
     if out_dir is not None:
         check_collisions(sources, out_dir, fmt)
@@ -71,10 +79,20 @@ def summarize(inputs, output_dir, fmt, globs, instruction, force, **kw):
             engine = stack.enter_context(open_engine(kw, learn=kw["learn"]))
             return Summarizer(engine, build_sampling(kw), kw["max_tokens"], instruction, kw["stop"])
 
+        def open_summarizers(cancel) -> list:
+            engines = stack.enter_context(open_engines(kw, learn=kw["learn"]))
+            return [Summarizer(engine, build_sampling(kw), kw["max_tokens"], instruction,
+                               kw["stop"], cancel=cancel) for engine in engines]
+
         progress = _Bar(len(sources)) if sys.stderr.isatty() else _Lines(len(sources))
+        stdin = getattr(sys.stdin, "buffer", sys.stdin)
         with progress:
-            result = run_batch(sources, open_summarizer, _emit, out_dir, fmt, force, progress,
-                               stdin=getattr(sys.stdin, "buffer", sys.stdin))
+            if parallel == 1:
+                result = run_batch(sources, open_summarizer, _emit, out_dir, fmt, force,
+                                   progress, stdin=stdin)
+            else:
+                result = run_parallel(sources, open_summarizers, _emit, out_dir, fmt, force,
+                                      progress, stdin=stdin)
     click.echo(("interrupted: " if result.interrupted else "") + result.totals_line(), err=True)
     # sys.exit, not ctx.exit: cli.main() runs click with standalone_mode=False, which turns
     # ctx.exit(n) into a return value that it then drops (the process would exit 0).
