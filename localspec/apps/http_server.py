@@ -240,13 +240,12 @@ def build_app(service: Service) -> Starlette:
 
 
 def serve_http(engines: list, sock, settings: HttpSettings, say=print) -> None:
-    """Serve `engines` (one per slot, over one model) on the listening socket until
-    Ctrl-C/SIGTERM (which cancel running work), then keep the live prompt states for the next
-    start."""
+    """Serve `engines` (one per slot, over one model, their cost curve measured) on the
+    listening socket until Ctrl-C/SIGTERM (which cancel running work), then keep the live
+    prompt states for the next start."""
     import uvicorn
 
     engine = engines[0]
-    engine.prepare()      # calibrate now (once: the slots share the curve), not in a request
     worker = Worker(engines, settings.max_queue)
     service = Service(worker, model_names(settings.model_arg, engine.model.path),
                       {**model_info(engine), **speculation_info(engine), "slots": len(engines)},

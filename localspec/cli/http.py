@@ -104,5 +104,5 @@ def run_http(kw: dict, *, learn: bool) -> None:
             code = HttpSupervisor(sys.argv[1:], sock, say=lambda line: click.echo(line, err=True)
                                   ).run()
         raise SystemExit(code)
-    with sock, open_engines(kw, learn=learn) as engines:
+    with sock, open_engines(kw, learn=learn, prepare=True) as engines:    # calibrated
         serve_http(engines, sock, settings, say=lambda line: click.echo(line, err=True))

@@ -307,12 +307,15 @@ def open_engine(kw: dict, *, learn: bool) -> Iterator[Engine]:
 
 
 @contextlib.contextmanager
-def open_engines(kw: dict, *, learn: bool) -> Iterator[list]:
+def open_engines(kw: dict, *, learn: bool, prepare: bool = False) -> Iterator[list]:
     """The engines of --parallel N: [one plain Engine] (open_engine) for 1, else N engines over
-    one model and one shared context (speculative/parallel.py), one per slot thread."""
+    one model and one shared context (speculative/parallel.py), one per slot thread. `prepare`:
+    measure (or load) the cost curve first, once for all slots (a server, before requests)."""
     n = parallel_slots(kw)
     if n == 1:
         with open_engine(kw, learn=learn) as engine:
+            if prepare:
+                engine.prepare()
             yield [engine]
         return
     config = engine_config(kw, learn=learn)
@@ -322,6 +325,8 @@ def open_engines(kw: dict, *, learn: bool) -> Iterator[list]:
             check_context(model, config, slots=n)
         with Slots(model, config, n, progress=lambda msg: click.echo(msg, err=True)) as slots:
             note_rounded_context(config.n_ctx, slots.n_ctx, slots=n)
+            if prepare:
+                slots.prepare()
             yield slots.engines
     finally:
         model.close()

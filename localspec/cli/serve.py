@@ -73,8 +73,8 @@ def serve(stdio, no_disk_cache, **kw):
     protocol_fd = take_stdout()
     if kw.get("rpc") and not supervised():      # a lost RPC server must not end the server
         raise SystemExit(serve_stdio_supervised(sys.argv[1:], protocol_fd, requests))
-    with open_engines(kw, learn=learn) as engines:
-        engines[0].prepare()   # calibrate now (the slots share it), not inside a request
+    # calibrate now, not inside the first (uncancellable) request
+    with open_engines(kw, learn=learn, prepare=True) as engines:
         Server(engines, Writer(protocol_fd)).serve(read_lines(requests))
         for engine in engines:
             engine.keep_live_state()

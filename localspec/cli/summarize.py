@@ -80,7 +80,7 @@ def summarize(inputs, output_dir, fmt, globs, instruction, force, **kw):
             return Summarizer(engine, build_sampling(kw), kw["max_tokens"], instruction, kw["stop"])
 
         def open_summarizers(cancel) -> list:
-            engines = stack.enter_context(open_engines(kw, learn=kw["learn"]))
+            engines = stack.enter_context(open_engines(kw, learn=kw["learn"], prepare=True))
             return [Summarizer(engine, build_sampling(kw), kw["max_tokens"], instruction,
                                kw["stop"], cancel=cancel) for engine in engines]
 
