@@ -15,6 +15,7 @@ import pytest
 
 from localspec.errors import LocalspecError
 from localspec.llama import Context, ContextParams, batch_invariant_rows
+from localspec.llama.batch_shape import plan, split_cost
 from localspec.llama.slots import SharedContext, _Work
 from localspec.speculative.engine import Engine, EngineConfig
 from localspec.speculative.parallel import MAX_SLOTS, Slots, check_parallel
@@ -162,8 +163,14 @@ def test_a_cancelled_and_a_failing_request_leave_the_others_intact(smollm):
     results: dict = {}
     with Slots(smollm, config(3), 3) as slots:
         def cancelled():
-            gen = slots.engines[1].generate(PROMPTS[3], max_tokens=200, cancel=cancel)
-            results["cancelled"] = ("".join(gen), gen.stats.stop_reason)
+            gen = slots.engines[1].generate("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,",
+                                            max_tokens=2000, cancel=cancel)
+            pieces = []
+            for piece in gen:
+                pieces.append(piece)
+                if len(pieces) == 5:
+                    cancel.set()               # while the others run
+            results["cancelled"] = ("".join(pieces), gen.stats.stop_reason)
 
         def failing():
             try:
@@ -171,14 +178,15 @@ def test_a_cancelled_and_a_failing_request_leave_the_others_intact(smollm):
             except LocalspecError as e:
                 results["failed"] = str(e)
 
-        threads = [threading.Thread(target=f) for f in (cancelled, failing)]
+        def running():
+            results["good"] = run_together(type("One", (), {"engines": slots.engines[:1]})(),
+                                           good)
+
+        threads = [threading.Thread(target=f) for f in (running, cancelled, failing)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
-        cancel.set()
-        results["good"] = run_together(type("One", (), {"engines": slots.engines[:1]})(), good)
         for t in threads:
-            t.join(timeout=120)
+            t.join(timeout=300)
         # the cancelled slot is free again: it serves the next request as if alone
         again = run_together(type("One", (), {"engines": slots.engines[1:2]})(), good)
     assert results["good"] == alone and again == alone
@@ -210,3 +218,39 @@ def test_slots_on_the_tiny_model_give_their_lone_text(tiny_model):
     with Slots(tiny_model, config(3), 3) as slots:
         assert slots.n_ctx == SLOT_CTX
         assert run_together(slots, reqs) == alone
+
+
+def test_steps_are_padded_to_one_pass_only_where_that_is_cheaper():
+    flat = lambda n: 1.0 + 0.05 * (n - 1)             # noqa: E731  rows nearly free
+    steep = lambda n: float(n)                         # noqa: E731  every row a decode
+    free = {s: 100 for s in range(4)}
+    # llama.cpp's split: {0: 1, 1: 1, 2: 9} is 3 rows, then 8 rows
+    assert split_cost({0: 1, 1: 1, 2: 9}, steep) == 11
+    assert split_cost({0: 2, 2: 2}, flat) == 2 * flat(2)          # a gap: two passes
+    assert plan({0: 1, 1: 1, 2: 9}, free, flat, 31) == 9
+    assert plan({0: 1, 1: 1, 2: 9}, free, steep, 31) is None
+    assert plan({0: 2, 2: 2}, free, flat, 31) == 2                 # the idle slot 1 padded
+    assert plan({0: 3, 1: 3}, free, flat, 31) is None              # one pass already
+    assert plan({0: 1, 1: 16, 2: 16}, free, flat, 31) is None      # 48 rows: over the cap
+    assert plan({0: 2, 2: 2}, {0: 100, 1: 1, 2: 100}, flat, 31) is None   # slot 1 is full
+
+
+@needs_invariant
+def test_a_prompt_another_slot_holds_starts_from_a_copy_of_its_rows(smollm):
+    """Two questions about one document: the second slot copies the first one's whole prompt
+    chunks (llama_memory_seq_cp between KV buffers) and still gets its lone text."""
+    doc = "Notes on the slot scheduler. " + " ".join(f"Item {i} is {i * i}." for i in range(30))
+    requests = [{"prompt": [{"role": "user", "content": doc + "\n\nWhat is item 7?"}],
+                 "sampling": SamplingParams(), "max_tokens": 24, "speculate": True,
+                 "delay": 0.0},
+                {"prompt": [{"role": "user", "content": doc + "\n\nWhat is item 9?"}],
+                 "sampling": SamplingParams(), "max_tokens": 24, "speculate": True,
+                 "delay": 0.0}]
+    alone = run_alone(smollm, requests)
+    with Slots(smollm, config(2), 2) as slots:
+        first = run_together(type("One", (), {"engines": slots.engines[:1]})(), requests[:1])
+        gen = slots.engines[1].generate(requests[1]["prompt"], max_tokens=24)
+        second = ("".join(gen), list(gen.tokens))
+        assert slots.shared.copies == 1
+        assert gen.stats.prefill_tokens < 64 + 16         # only the tail past the copied chunks
+    assert [*first, second] == alone

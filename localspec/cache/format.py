@@ -19,15 +19,9 @@ from ..files import container
 from ..files.container import FORMAT_VERSION, Rejected, write_container
 from ..llama import (Context, Model, backend_version, cold_prefix, system_info,
                      tiled_matmul_off)
+from ..llama.context import common_prefix  # noqa: F401  (the cache's users import it here)
 
 SUFFIX = ".lskv"
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix. Example: common_prefix([1, 2, 3], [1, 2, 4]) == 2."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
-    return int(diff[0]) if diff.size else n
 
 
 @dataclass

@@ -25,6 +25,13 @@ chunk a cold prefill of the new prompt would use: then a cached prompt gives the
 bit for bit, as a cold one. docs/prompt-cache.md has the measurement behind 256."""
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix. Example: common_prefix([1, 2, 3], [1, 2, 4]) == 2."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
+
+
 def cold_prefix(common: int, clean: tuple, grid: int) -> int:
     """How many of `common` reusable rows a grid-`grid` prefill may keep, given `clean` =
     (rows computed in whole on-grid chunks from position 0, the grid they were computed on):
@@ -224,12 +231,7 @@ class Context:
         """
         if len(tokens) == 0:
             raise ValueError("sync() needs at least one token")
-        common = 0
-        for held, wanted in zip(self.tokens, tokens):
-            if held != wanted:
-                break
-            common += 1
-        keep = cold_prefix(min(common, len(tokens) - 1), self._clean, grid)
+        keep = cold_prefix(min(self.held_prefix(tokens), len(tokens) - 1), self._clean, grid)
         if not self.truncate(keep):
             self.clear()              # the memory refuses partial removal: start over
         reused = self.n_past
@@ -241,6 +243,10 @@ class Context:
         if stop is not None and stop.is_set():
             return None, reused
         return self._prefill_chunk(tokens[self.n_past:], step, "last")[0], reused
+
+    def held_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the cache holds rows for."""
+        return common_prefix(self.tokens, tokens)
 
     def _prefill_chunk(self, tokens: Sequence[int], step: int, logits: str) -> np.ndarray:
         """decode() one prompt chunk; a whole on-grid chunk right after the clean rows extends

@@ -31,7 +31,8 @@ import numpy as np
 from ..errors import LocalspecError
 from . import backend as _b
 from . import native
-from .context import _IDLE, Context, ContextParams, create_context
+from .batch_shape import default_row_cost, plan
+from .context import _IDLE, Context, ContextParams, cold_prefix, create_context
 from .model import Model
 
 MAX_WAIT_S = 0.25     # a tick waits at most this long for a busy slot that has not handed in
@@ -48,13 +49,15 @@ def slot_size(n_ctx: int, n_seq: int) -> int:
 class _Work:
     """One decode handed in by a slot, and what came back."""
 
-    __slots__ = ("seq", "tokens", "pos", "want", "prompt", "since", "rc", "rows", "done", "error")
+    __slots__ = ("seq", "tokens", "pos", "want", "prompt", "since", "rc", "rows", "done", "error",
+                 "pad")
 
     def __init__(self, seq: int, tokens, pos: int, want: np.ndarray, prompt: bool):
         self.seq, self.tokens, self.pos = seq, list(tokens), pos
         self.want, self.prompt = want, prompt
         self.since = time.monotonic()
         self.rc, self.rows, self.done, self.error = 0, None, False, None
+        self.pad = 0                     # rows at the end only there to shape the batch
 
 
 class SharedContext:
@@ -89,6 +92,9 @@ class SharedContext:
         self._stalled: set = set()       # busy slots that kept a tick waiting MAX_WAIT_S
         self.ticks = 0                   # llama_decode calls made for slots, for stats
         self.stalls = 0                  # ticks that waited MAX_WAIT_S for a stalled slot
+        self.copies = 0                  # prompts that started from another slot's rows
+        self.row_cost = default_row_cost # a pass of n rows in one-token decodes (Slots sets
+                                         # the calibrated curve)
         self.slots = [SeqContext(self, i) for i in range(n_seq)]
 
     @property
@@ -153,14 +159,18 @@ class SharedContext:
 
     def _tick(self) -> None:
         """Run every pending decode: prompt chunks one by one, as a lone context would, then the
-        steps together in batches of at most row_cap rows, in sequence order (llama.cpp
-        splits a batch only where its sequences' row counts differ)."""
+        steps together in batches of at most row_cap rows, in sequence order, padded to one
+        pass over the weights where that is cheaper than llama.cpp's split (batch_shape.py)."""
         works, self._pending = sorted(self._pending.values(), key=lambda w: w.seq), {}
         try:
             steps = [w for w in works if not w.prompt]
             for w in works:
                 if w.prompt:
                     self._run([w])
+            if steps and sum(len(w.tokens) for w in steps) <= self.row_cap:
+                prompted = {w.seq for w in works if w.prompt}
+                self._run(self._padded(steps, prompted))
+                return
             group: list = []
             for w in steps:
                 if group and sum(len(g.tokens) for g in group) + len(w.tokens) > self.row_cap:
@@ -176,6 +186,31 @@ class SharedContext:
             raise
         finally:
             self.lock.notify_all()
+
+    def _padded(self, steps: list, prompted: set) -> list:
+        """`steps`, each padded to the longest, with idle sequences in their span padded too,
+        when the cost curve says one pass costs less than llama.cpp's split; else as given.
+        A sequence that ran a prompt chunk in this tick is not padded (its rows are not in its
+        `tokens` yet)."""
+        lengths = {w.seq: len(w.tokens) for w in steps}
+        ends = {s: slot.n_past for s, slot in enumerate(self.slots)}
+        ends.update({w.seq: w.pos for w in steps})
+        free = {s: 0 if s in prompted else self.n_ctx_seq - end for s, end in ends.items()}
+        width = plan(lengths, free, self.row_cost, self.row_cap)
+        if width is None:
+            return steps
+        by_seq = {w.seq: w for w in steps}
+        out = []
+        for s in range(min(lengths), max(lengths) + 1):
+            w = by_seq.get(s)
+            if w is None:                        # an idle slot in the gap: rows to drop
+                w = _Work(s, [], ends[s], np.zeros(0, dtype=np.int8), False)
+            pad = width - len(w.tokens)
+            filler = (w.tokens[-1:] or self.slots[s].tokens[-1:] or [0]) * pad
+            w.tokens, w.want, w.pad = w.tokens + filler, \
+                np.concatenate([w.want, np.zeros(pad, dtype=np.int8)]), pad
+            out.append(w)
+        return out
 
     def _run(self, group: list) -> None:
         """One llama_decode of `group`'s rows; each work gets its return code and a copy of its
@@ -202,6 +237,9 @@ class SharedContext:
         _b.drain_log()
         _b._state["decoded"] = True
         self.ticks += 1
+        for w in group:
+            if w.pad:                            # padding rows: their KV goes at once
+                _b.C.llama_memory_seq_rm(self._mem, w.seq, w.pos + len(w.tokens) - w.pad, -1)
         i = 0
         for w in group:
             w.rc = rc
@@ -259,9 +297,33 @@ class SeqContext(Context):
     def sync(self, tokens: Sequence[int], stop=None, grid: int = 0) -> tuple:
         self._prompt = True
         try:
+            if grid > 0:
+                self._adopt_prefix(tokens, grid)
             return super().sync(tokens, stop, grid)
         finally:
             self._prompt = False
+
+    def _adopt_prefix(self, tokens: Sequence[int], grid: int) -> None:
+        """Start from a copy of another slot's rows when it holds at least one more whole
+        prompt chunk of `tokens` than this slot does (a shared system prompt or document):
+        llama.cpp copies its whole KV buffer, cells in the same places, and the rows past the
+        common chunks are dropped, so the prefill that follows equals a cold one."""
+        def usable(ctx: Context) -> int:
+            return cold_prefix(min(ctx.held_prefix(tokens), len(tokens) - 1),
+                               ctx.clean, grid)
+        with self.shared.lock:
+            best, have = None, usable(self)
+            for other in self.shared.slots:
+                if other is not self and usable(other) >= max(have, 0) + grid:
+                    best, have = other, usable(other)
+            if best is None:
+                return
+            _b.C.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
+            _b.C.llama_memory_seq_cp(self._mem, best.seq, self.seq, -1, -1)
+            self.tokens, self._clean = list(best.tokens), best.clean
+            if not Context.truncate(self, have):
+                Context.clear(self)
+            self.shared.copies += 1
 
     def _decode_chunk(self, ctx, tokens: Sequence[int], want: np.ndarray) -> int:
         prompt = self._prompt or len(tokens) > self.shared.row_cap     # runs alone

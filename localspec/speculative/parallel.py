@@ -59,6 +59,19 @@ class _LockedCache:
         return len(self._cache)
 
 
+def row_cost(ratios: list):
+    """A pass of n rows in one-token decodes from the calibrated r(k) (k + 1 rows), carried on
+    past its end at the slope of its last half."""
+    last = len(ratios) - 1
+    half = last // 2
+    slope = (ratios[last] - ratios[half]) / max(1, last - half)
+
+    def cost(n: int) -> float:
+        k = n - 1
+        return ratios[k] if k <= last else ratios[last] + slope * (k - last)
+    return cost
+
+
 class Slots:
     """`n` engines over one model and one shared context. `engines[i]` runs slot i's requests;
     close() frees them, the context and the model (when it was loaded here)."""
@@ -106,8 +119,14 @@ class Slots:
         return self.shared.n_ctx_seq
 
     def prepare(self) -> None:
-        """Measure (or load) the cost curve once, on slot 0, before requests arrive."""
-        self.engines[0].prepare()
+        """Measure (or load) the cost curve once, on slot 0, before requests arrive; the ticks
+        then shape their batches by it."""
+        engine = self.engines[0]
+        engine.prepare()
+        cost = engine.drafting.cost
+        if cost is not None:
+            self.shared.row_cost = row_cost(cost.ratios())
+
 
     def close(self) -> None:
         for engine in self.engines:
