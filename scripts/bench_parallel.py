@@ -158,7 +158,7 @@ class Server:
             log.flush()
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=self.env, cwd=ROOT,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         LIVE.add(self)
         import httpx
         while True:
@@ -199,6 +199,13 @@ class Server:
             except ProcessLookupError:
                 pass
         LIVE.discard(self)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when this script dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
 
 
 def stop_all() -> None:
