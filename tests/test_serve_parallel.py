@@ -268,6 +268,13 @@ def test_bad_parallel_values_are_one_line_usage_errors(command, args, needle, tm
     assert len(errors) == 1 and "--parallel" in errors[0] and needle in errors[0], r.output
 
 
+def test_parallel_is_one_option_with_a_help_that_teaches():
+    shared = [next(p for p in cli.commands[c].params if p.name == "parallel")
+              for c in ("serve", "summarize")]
+    assert len({(tuple(p.opts), p.help, p.default, repr(p.type)) for p in shared}) == 1
+    assert "--ctx" in shared[0].help and "alone" in shared[0].help
+
+
 def test_summarize_n_files_at_a_time_keeps_the_order_and_the_lone_texts(tiny_path, tmp_path):
     names = [f"doc{i}.md" for i in range(5)]
     for i, name in enumerate(names):

@@ -169,7 +169,7 @@ def _stack(decorators: list):
 def parallel_option(f):
     """--parallel N: how many generations run at once, each in its own slot of one context."""
     return click.option(
-        "--parallel", type=click.IntRange(1, MAX_SLOTS), default=1, show_default=True,
+        "--parallel", type=click.IntRange(1, MAX_SLOTS), default=1, show_default=True, metavar="N",
         help=f"Run up to N generations at once (at most {MAX_SLOTS}): serve answers N requests "
              "together, summarize reads N files together. The model is loaded once; --ctx is "
              "the total, each slot holds --ctx/N rounded down to a multiple of 256 (--ctx 8192 "

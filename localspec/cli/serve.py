@@ -37,8 +37,9 @@ def serve(stdio, no_disk_cache, **kw):
     --stdio: JSON-RPC 2.0, one message per line. Methods: initialize, generate (streams
     "generate/progress" notifications, then responds with the text and statistics), complete
     (fill in the middle, token-healed), prefill (read a buffer ahead of the first completion),
-    rewrite, cancel, shutdown. stdout carries protocol messages only; logs and errors go to stderr. EOF on stdin
-    cancels any work and exits 0. Reference: docs/protocol.md.
+    rewrite, cancel, status (busy slots and the queue), shutdown. stdout carries protocol
+    messages only; logs and errors go to stderr. EOF on stdin cancels any work and exits 0.
+    Reference: docs/protocol.md.
 
     Prompts that begin like an earlier one reuse its KV rows (the prompt cache, --cache-mb), also
     across restarts: put what stays the same first (system text, then the document, then the
