@@ -75,8 +75,13 @@ class ScriptedContext:
     def reconcile(self):
         pass
 
-    def hold(self):                  # a lone context: no shared ticks to mark a slot busy for
+    timed = True                     # a lone context: its decode times are its own
+
+    def hold(self):                  # no shared ticks to mark a slot busy for
         return contextlib.nullcontext()
+
+    def free_drafts(self, k, room):
+        return k
 
     def draft_room(self):
         return self.n_ctx

@@ -123,6 +123,13 @@ class Context:
         """Marks a generation running (a slot of a shared context, slots.py); nothing here."""
         return contextlib.nullcontext()
 
+    timed = True          # a decode's time is this context's own (a slot's ticks are shared)
+
+    def free_drafts(self, k: int, room: int) -> int:
+        """How many drafts a step that chose k may carry at no extra cost: k here (a slot of a
+        shared context may say more, when the tick's batch is that wide anyway)."""
+        return k
+
     def draft_room(self) -> int:
         """The most drafts a step may verify here now, whatever the policy wants: a lone
         context has no other sequence to share its batch with."""

@@ -193,10 +193,8 @@ class SharedContext:
         A sequence that ran a prompt chunk in this tick is not padded (its rows are not in its
         `tokens` yet)."""
         lengths = {w.seq: len(w.tokens) for w in steps}
-        ends = {s: slot.n_past for s, slot in enumerate(self.slots)}
-        ends.update({w.seq: w.pos for w in steps})
-        free = {s: 0 if s in prompted else self.n_ctx_seq - end for s, end in ends.items()}
-        width = plan(lengths, free, self.row_cost, self.row_cap)
+        ends = self._ends(steps)
+        width = plan(lengths, self._free_cells(ends, prompted), self.row_cost, self.row_cap)
         if width is None:
             return steps
         by_seq = {w.seq: w for w in steps}
@@ -211,6 +209,30 @@ class SharedContext:
                 np.concatenate([w.want, np.zeros(pad, dtype=np.int8)]), pad
             out.append(w)
         return out
+
+    def _ends(self, steps: list) -> dict:
+        """Where each sequence's next row goes: a step's own position, else its slot's end."""
+        ends = {s: slot.n_past for s, slot in enumerate(self.slots)}
+        ends.update({w.seq: w.pos for w in steps})
+        return ends
+
+    def _free_cells(self, ends: dict, prompted: set) -> dict:
+        return {s: 0 if s in prompted else self.n_ctx_seq - end for s, end in ends.items()}
+
+    def free_width(self, seq: int, rows: int, pos: int) -> int:
+        """The rows a step of `rows` rows for `seq` at `pos` may have at no extra cost: the
+        width the steps handed in so far would pad it to, or `rows`."""
+        with self.lock:
+            steps = [w for w in self._pending.values() if not w.prompt and w.seq != seq]
+            if not steps:
+                return rows
+            lengths = {w.seq: len(w.tokens) for w in steps}
+            lengths[seq] = rows
+            ends = self._ends(steps)
+            ends[seq] = pos
+            prompted = {w.seq for w in self._pending.values() if w.prompt}
+            width = plan(lengths, self._free_cells(ends, prompted), self.row_cost, self.row_cap)
+            return rows if width is None else width
 
     def _run(self, group: list) -> None:
         """One llama_decode of `group`'s rows; each work gets its return code and a copy of its
@@ -289,10 +311,18 @@ class SeqContext(Context):
         """A generation runs on this slot (the engine wraps each one in it)."""
         return self.shared.hold(self.seq)
 
+    timed = False         # a tick's time is every slot's: the policy reads the curve instead
+
     def draft_room(self) -> int:
         """The drafts a step may take while the other busy slots take theirs: an equal share of
         a batch the invariant kernels keep exact, less the step's own row."""
         return max(0, self.shared.row_cap // max(1, self.shared.busy) - 1)
+
+    def free_drafts(self, k: int, room: int) -> int:
+        """k, or more when the slots that handed in their steps already make the coming tick
+        wider than k + 1 rows and this step would be padded to that width anyway."""
+        room = min(room, self.draft_room())
+        return max(k, min(room, self.shared.free_width(self.seq, k + 1, self.n_past) - 1))
 
     def sync(self, tokens: Sequence[int], stop=None, grid: int = 0) -> tuple:
         self._prompt = True

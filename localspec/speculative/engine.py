@@ -13,6 +13,7 @@ import random
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -256,8 +257,9 @@ class Engine:
         req.recheck = result.recheck
         if not result.rolled_back:
             self._rollback_refused(req, result.emitted)
-        if req.policy is not None:
-            self._observe(req.policy, proposal, result, propose_ms)
+        if req.policy is not None:       # a shared tick's time is not this step's: the curve
+            timed = result if self.ctx.timed else replace(result, verify_ms=None)
+            self._observe(req.policy, proposal, timed, propose_ms)
         st = req.stats
         st.record_step(proposal.source, result.n_drafted,
                        min(result.n_accepted, len(result.emitted)))
@@ -272,7 +274,7 @@ class Engine:
         """The draft length's one way: the proposer offers, the policy chooses k, the proposer
         drafts k. An offer not taken goes to the plain step, which says what it would have
         scored (the acceptance model learns while speculation is off)."""
-        passed, best = EMPTY, None
+        passed, best, lookup = EMPTY, None, None
         for offer in self.proposer.offers(min(room, policy.config.k_max)):
             if offer.features is None and best is not None:
                 break                    # a draft model only fills in where lookup has nothing
@@ -281,6 +283,16 @@ class Engine:
                 best = (offer, k, gain)
             elif passed is EMPTY and offer.features is not None:
                 passed = Proposal([], None, offer.source, offer.features)
+                lookup = offer
+        # A slot of a shared context: rows the coming tick carries anyway are free to fill with
+        # more of a lookup match (drafting it costs nothing); a lone context says k.
+        chosen = best[1] if best is not None else 0
+        free = self.ctx.free_drafts(chosen, min(room, policy.config.k_max))
+        if free > chosen:
+            if best is None and lookup is not None:
+                best = (lookup, 0, 0.0)
+            if best is not None and best[0].features is not None:
+                best = (best[0], max(chosen, min(free, best[0].limit)), best[2])
         return self.proposer.draft(best[0], best[1]) if best is not None else passed
 
     @staticmethod

@@ -13,7 +13,6 @@ apps/protocol.py); a slot's engine is not thread-safe, the set is.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from dataclasses import replace
 from typing import Callable, Optional, Union
@@ -96,9 +95,6 @@ class Slots:
             # A shared tick's time is not one slot's cost: the curve stays as measured alone.
             # The draft store keeps one output at a time (begin/add/end): slots go without it.
             slot_config = replace(config, refit_cost=False, cache_mb=0, store=False)
-            if config.store:
-                print("localspec: --parallel: the draft store is not used (it follows one "
-                      "output at a time); each slot drafts by prompt lookup.", file=sys.stderr)
             cache = make_cache(config, self.model)
             shared_cache = _LockedCache(cache) if cache is not None else None
             drafting = Drafting(slot_config, progress)
