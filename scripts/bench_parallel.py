@@ -232,11 +232,14 @@ def server_command(cfg: Config, a, model: Path, port: int) -> tuple:
             cmd += ["--parallel", str(cfg.parallel)]
         return cmd, env
     # llama-server: flash attention off and 512-row micro-batches as localspec's contexts;
-    # per-slot (non-unified) KV as localspec's slots; no memory fitting.
+    # per-slot (non-unified) KV as localspec's slots; no memory fitting; chats rendered by
+    # llama.cpp's built-in template matcher (llama_chat_apply_template), as localspec renders
+    # them: its jinja engine would add the template's default system prompt (SmolLM2's, Qwen's),
+    # and the two servers would read different prompts.
     cmd = [str(llama_server_path()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(cfg.parallel), "-c", total, "--no-kv-unified", "-t", str(a.threads),
            "-tb", str(a.threads), "-ngl", "0", "-fa", "off", "-ub", "512", "-fit", "off",
-           "--no-webui", *LLAMA_SPEC[cfg.spec]]
+           "--no-jinja", "--no-webui", *LLAMA_SPEC[cfg.spec]]
     return cmd, env
 
 

@@ -107,3 +107,45 @@ def test_bad_configurations_are_one_line():
         r = _run(["--quick", "--configs", "llama-server-2"])
         assert r.returncode == 2
         assert "scripts/llamacpp_tools.sh --target llama-server" in r.stderr
+
+
+def _script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_parallel", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod                   # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fim_takes_the_infill_route_on_a_model_with_fim_tokens(tiny_fim_path, _test_home,
+                                                               tmp_path):
+    """The real measurement's FIM path (/infill, streamed) on the tiny FIM model: the route is
+    /infill, the time to first token is read, two slots give the one slot's texts; llama-server
+    answers the same request shape where it is built."""
+    bp = _script()
+    a = bp.build_args(["--quick", "--threads", "1", "--ctx", "2048", "--prefix-lines", "4",
+                       "--suffix-lines", "1"])      # a byte vocabulary: ~40 tokens a line
+    configs = ["localspec-1"] + (["localspec-2"] if _has_parallel() else [])
+    if _llama_server_built(_test_home):
+        configs.append("llama-server-1")
+    windows = bp.fim_windows(a, 0.45, 2)
+    texts = {}
+    try:
+        for cfg in bp.parse_configs(",".join(configs)):
+            port = bp.free_port()
+            cmd, env = bp.server_command(cfg, a, tiny_fim_path, port)
+            server = bp.Server(cfg, cmd, port, tmp_path / f"{cfg.name}.log", env)
+            server.start(300)
+            try:
+                got = [bp.fim_request(server, p, s, 6) for p, s in windows]
+            finally:
+                server.stop()
+            assert bp.FimRoute.route == "infill", cfg.name
+            assert all(0 < r["ttft_ms"] <= r["total_ms"] for r in got), cfg.name
+            texts[cfg.name] = [r["text"] for r in got]
+    finally:
+        bp.stop_all()
+    assert any(t for t in texts["localspec-1"])
+    if "localspec-2" in texts:
+        assert texts["localspec-2"] == texts["localspec-1"]
