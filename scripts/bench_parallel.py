@@ -836,4 +836,5 @@ def _terminate(signum, _frame):
 if __name__ == "__main__":
     atexit.register(stop_all)
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)   # also where a shell started it with SIGINT ignored
     sys.exit(main())
