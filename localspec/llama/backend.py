@@ -354,7 +354,8 @@ def check_offload(n_gpu_layers: int) -> None:
 def batch_invariant_rows() -> int:
     """How many rows a batch may have and still compute every row bit-identically to a one-token
     decode on the CPU (the BATCH_INVARIANT feature of localspec's patched ggml-cpu, install.sh's
-    llama_cpp/lib-exact; docs/exactness.md); 0 for llama.cpp's own libraries."""
+    llama_cpp/lib-exact; docs/exactness.md); 0 for llama.cpp's own libraries. The library's
+    default limit: exact_rows() is the limit now, which patch 0009 lets a decode path raise."""
     value = cpu_features().get("BATCH_INVARIANT", "0")
     return int(value) if value.isdigit() else 0
 
