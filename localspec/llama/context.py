@@ -83,7 +83,55 @@ def create_context(model: Model, params: ContextParams, n_ctx: int, n_seq: int =
     return ctx, cp
 
 
-class Context:
+class Handle:
+    """A llama_context over a Model and its batch buffer, with zero-copy numpy views over the
+    batch's token, position and logits-flag arrays; freed by close() or by closing the model.
+    Context (one sequence) and slots.SharedContext (several) are made on it."""
+
+    _ctx = None
+
+    def _open(self, model: Model, params: ContextParams, n_ctx: int, n_seq: int = 1) -> None:
+        self.model, self.params = model, params
+        ctx, cp = create_context(model, params, n_ctx=n_ctx, n_seq=n_seq)
+        self._ctx = ctx
+        model._contexts.append(self)              # the model frees it first when it closes
+        self.n_batch: int = cp.n_batch
+        self.n_threads = cp.n_threads
+        self._mem = _b.C.llama_get_memory(ctx)
+        self._batch = b = _b.C.llama_batch_init(self.n_batch, 0, 1)
+        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx is None
+
+    def _live(self):
+        """The llama_context pointer; raises once this context (or its model) was closed."""
+        if self._ctx is None:
+            raise LocalspecError("this llama.cpp context was closed (its engine or model was "
+                                 "closed); nothing can run on it any more.")
+        return self._ctx
+
+    def close(self) -> None:
+        """Free the context (idempotent). Its numpy views die with the batch: nothing may use
+        them after this."""
+        if self._ctx is None:
+            return
+        ctx, self._ctx, self._mem = self._ctx, None, None
+        if self in self.model._contexts:
+            self.model._contexts.remove(self)
+        self._tok = self._pos = self._out = None
+        with native.phase(f"in llama.cpp while freeing a context of {self.model.path.name} "
+                          f"{self.model.crash_hint}"):
+            _b.C.llama_batch_free(self._batch)
+            _b.C.llama_free(ctx)
+        _b.drain_log()
+
+
+class Context(Handle):
     """One sequence (seq 0) of KV cache over a Model, with the batch buffer reused for every decode.
 
     Invariant: `tokens` are the ids whose KV rows fill positions 0..n_past-1 of seq 0, in order;
@@ -96,26 +144,11 @@ class Context:
     seq = 0               # the llama.cpp sequence this object's rows belong to
 
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
-        self.model = model
-        self.params = params
-        self._ctx = None
-        ctx, cp = create_context(model, params, n_ctx=params.n_ctx)
-        self._ctx = ctx
-        model._contexts.append(self)              # the model frees it first when it closes
+        self._open(model, params, params.n_ctx)
         self._phases: dict = {}                   # batch size -> the crash line's phase
         self.n_ctx: int = _b.C.llama_n_ctx(self._ctx)
-        self.n_batch: int = cp.n_batch
-        self.n_threads = cp.n_threads
-        self._mem = _b.C.llama_get_memory(self._ctx)
-        self._batch = _b.C.llama_batch_init(self.n_batch, 0, 1)
-        # Zero-copy numpy views over the batch arrays; seq ids are fixed to 0 once here.
-        b = self._batch
-        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
-        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
-        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
-        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
-        for i in range(self.n_batch):
-            b.seq_id[i][0] = 0
+        for i in range(self.n_batch):             # seq ids are fixed to 0 once here
+            self._batch.seq_id[i][0] = 0
         self.tokens: list = []
         self._clean = (0, 0)      # rows computed in whole on-grid chunks from 0, and that grid
 
@@ -145,17 +178,6 @@ class Context:
     def n_past(self) -> int:
         """Positions filled in the KV cache."""
         return len(self.tokens)
-
-    @property
-    def closed(self) -> bool:
-        return self._ctx is None
-
-    def _live(self):
-        """The llama_context pointer; raises once this context (or its model) was closed."""
-        if self._ctx is None:
-            raise LocalspecError("this llama.cpp context was closed (its engine or model was "
-                                 "closed); nothing can run on it any more.")
-        return self._ctx
 
     def _decode_phase(self, n: int) -> bytes:
         phase = self._phases.get(n)
@@ -372,21 +394,6 @@ class Context:
         self.tokens = [int(t) for t in tokens]
         n_clean, grid = (int(x) for x in clean)
         self._clean = (min(n_clean, n_tokens) // grid * grid, grid) if grid > 0 else (0, 0)
-
-    def close(self) -> None:
-        """Free the context (idempotent). Its numpy views die with the batch: nothing may use
-        them after this."""
-        if self._ctx is None:
-            return
-        ctx, self._ctx, self._mem = self._ctx, None, None
-        if self in self.model._contexts:
-            self.model._contexts.remove(self)
-        self._tok = self._pos = self._out = None
-        with native.phase(f"in llama.cpp while freeing a context of {self.model.path.name} "
-                          f"{self.model.crash_hint}"):
-            _b.C.llama_batch_free(self._batch)
-            _b.C.llama_free(ctx)
-        _b.drain_log()
 
     def __enter__(self) -> "Context":
         return self

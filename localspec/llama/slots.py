@@ -32,7 +32,7 @@ from ..errors import LocalspecError
 from . import backend as _b
 from . import native
 from .batch_shape import default_row_cost, plan
-from .context import _IDLE, Context, ContextParams, cold_prefix, create_context
+from .context import _IDLE, Context, ContextParams, Handle, cold_prefix
 from .model import Model
 
 MAX_WAIT_S = 0.25     # a tick waits at most this long for a busy slot that has not handed in
@@ -60,7 +60,7 @@ class _Work:
         self.pad = 0                     # rows at the end only there to shape the batch
 
 
-class SharedContext:
+class SharedContext(Handle):
     """One llama_context with `n_seq` sequences of `n_ctx_seq` cells each, the slots over it
     (`slot(i)`), and the ticks that decode for them."""
 
@@ -72,20 +72,9 @@ class SharedContext:
             raise LocalspecError(f"a context of {params.n_ctx} tokens cannot hold {n_seq} "
                                  f"slots of at least {CELL_GRID} tokens; raise --ctx to "
                                  f"{n_seq * CELL_GRID} or more, or lower --parallel.")
-        self.model, self.params, self.n_seq, self.row_cap = model, params, n_seq, max(1, row_cap)
-        self._ctx = None
-        ctx, cp = create_context(model, params, n_ctx=per_seq * n_seq, n_seq=n_seq)
-        self._ctx = ctx
-        model._contexts.append(self)
-        self.n_ctx_seq = int(_b.C.llama_n_ctx_seq(ctx))
-        self.n_batch, self.n_threads = cp.n_batch, cp.n_threads
-        self._mem = _b.C.llama_get_memory(ctx)
-        self._batch = _b.C.llama_batch_init(self.n_batch, 0, 1)
-        b = self._batch
-        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
-        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
-        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
-        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
+        self.n_seq, self.row_cap = n_seq, max(1, row_cap)
+        self._open(model, params, per_seq * n_seq, n_seq)
+        self.n_ctx_seq = int(_b.C.llama_n_ctx_seq(self._ctx))
         self.lock = threading.Condition(threading.RLock())
         self._pending: dict = {}         # seq -> _Work handed in, not yet run
         self._busy: set = set()          # slots in a generation: a tick waits for them
@@ -96,16 +85,6 @@ class SharedContext:
         self.row_cost = default_row_cost # a pass of n rows in one-token decodes (Slots sets
                                          # the calibrated curve)
         self.slots = [SeqContext(self, i) for i in range(n_seq)]
-
-    @property
-    def closed(self) -> bool:
-        return self._ctx is None
-
-    def live(self):
-        if self._ctx is None:
-            raise LocalspecError("this llama.cpp context was closed (its server or model was "
-                                 "closed); nothing can run on it any more.")
-        return self._ctx
 
     @property
     def busy(self) -> int:
@@ -129,7 +108,7 @@ class SharedContext:
     def submit(self, work: _Work) -> None:
         """Hand in one decode and wait until a tick (maybe run by this thread) has done it."""
         with self.lock:
-            self.live()
+            self._live()
             self._pending[work.seq] = work
             self._stalled.discard(work.seq)
             self.lock.notify_all()
@@ -254,7 +233,7 @@ class SharedContext:
             f"in llama.cpp while decoding a batch of {n} tokens for {len(group)} slot(s) with "
             f"{self.model.path.name} on {self.model.device} {self.model.crash_hint}")
         native.set_phase(phase)
-        rc = _b.C.llama_decode(self.live(), b)
+        rc = _b.C.llama_decode(self._live(), b)
         native.set_phase(_IDLE)
         _b.drain_log()
         _b._state["decoded"] = True
@@ -276,19 +255,9 @@ class SharedContext:
     def close(self) -> None:
         """Free the context (idempotent); its slots raise from then on."""
         with self.lock:
-            if self._ctx is None:
-                return
-            ctx, self._ctx, self._mem = self._ctx, None, None
-            if self in self.model._contexts:
-                self.model._contexts.remove(self)
             for slot in self.slots:
                 slot._ctx = slot._mem = None
-            self._tok = self._pos = self._out = None
-            with native.phase(f"in llama.cpp while freeing a context of {self.model.path.name} "
-                              f"{self.model.crash_hint}"):
-                _b.C.llama_batch_free(self._batch)
-                _b.C.llama_free(ctx)
-            _b.drain_log()
+            super().close()
 
 
 class SeqContext(Context):
@@ -388,7 +357,7 @@ class SeqContext(Context):
         _b.C.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
 
     def _live(self):
-        self.shared.live()
+        self.shared._live()
         return self._ctx
 
     def close(self) -> None:
