@@ -15,6 +15,7 @@ import pytest
 
 from localspec.errors import LocalspecError
 from localspec.llama import Context, ContextParams, batch_invariant_rows
+from localspec.llama.backend import exact_rows_settable
 from localspec.llama.batch_shape import plan, split_cost
 from localspec.llama.slots import SharedContext, _Work
 from localspec.speculative.engine import Engine, EngineConfig
@@ -254,3 +255,24 @@ def test_a_prompt_another_slot_holds_starts_from_a_copy_of_its_rows(smollm):
         assert slots.shared.copies == 1
         assert gen.stats.prefill_tokens < 64 + 16         # only the tail past the copied chunks
     assert [*first, second] == alone
+
+
+@pytest.mark.skipif(not exact_rows_settable(),
+                    reason="this ggml-cpu cannot raise its batch-invariant limit (patch 0009)")
+def test_steps_past_32_rows_together_still_give_their_lone_text(smollm):
+    """row_cap 64: four slots drafting up to 15 tokens each, ticks of 32-64 rows on the raised
+    batch-invariant limit."""
+    rng = random.Random(42)
+    requests = random_requests(rng, 5)
+    for r in requests:
+        r["prompt"], r["speculate"] = PROMPTS[0], True       # code: long lookup drafts
+    alone = run_alone(smollm, requests)
+    with Slots(smollm, config(4), 4, row_cap=64) as slots:
+        assert run_together(slots, requests) == alone
+
+
+def test_steps_past_32_rows_need_the_run_time_limit(smollm):
+    if exact_rows_settable():
+        pytest.skip("this ggml-cpu raises its limit at run time")
+    with pytest.raises(LocalspecError, match="patch 0009"):
+        Slots(smollm, config(2), 2, row_cap=64)

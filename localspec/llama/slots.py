@@ -21,9 +21,9 @@ holds one lock: llama.cpp's memory is not thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from contextlib import contextmanager
 from typing import Optional, Sequence
 
 import numpy as np
@@ -67,6 +67,10 @@ class SharedContext(Handle):
     def __init__(self, model: Model, params: ContextParams, n_seq: int, row_cap: int):
         if n_seq < 2:
             raise ValueError("a shared context needs at least 2 sequences")
+        if row_cap >= 32 and not _b.exact_rows_settable():
+            raise LocalspecError(f"steps of {row_cap} rows together need a ggml-cpu that raises "
+                                 "its batch-invariant limit at run time (patch 0009; rerun "
+                                 "./install.sh).")
         per_seq = slot_size(params.n_ctx, n_seq)
         if per_seq == 0:
             raise LocalspecError(f"a context of {params.n_ctx} tokens cannot hold {n_seq} "
@@ -91,7 +95,7 @@ class SharedContext(Handle):
         """Slots in a generation now (for the draft room each may take)."""
         return len(self._busy)
 
-    @contextmanager
+    @contextlib.contextmanager
     def hold(self, seq: int):
         """Mark slot `seq` busy while a generation runs on it: ticks wait for its decodes."""
         with self.lock:
@@ -232,9 +236,11 @@ class SharedContext(Handle):
         phase = native.encode_phase(
             f"in llama.cpp while decoding a batch of {n} tokens for {len(group)} slot(s) with "
             f"{self.model.path.name} on {self.model.device} {self.model.crash_hint}")
-        native.set_phase(phase)
-        rc = _b.C.llama_decode(self._live(), b)
-        native.set_phase(_IDLE)
+        wide = n >= 32 and not any(w.prompt for w in group)     # past the default limit:
+        with _b.exact_rows_raised(n + 1) if wide else contextlib.nullcontext():   # row_cap > 31
+            native.set_phase(phase)
+            rc = _b.C.llama_decode(self._live(), b)
+            native.set_phase(_IDLE)
         _b.drain_log()
         _b._state["decoded"] = True
         self.ticks += 1

@@ -73,10 +73,13 @@ def row_cost(ratios: list):
 
 class Slots:
     """`n` engines over one model and one shared context. `engines[i]` runs slot i's requests;
-    close() frees them, the context and the model (when it was loaded here)."""
+    close() frees them, the context and the model (when it was loaded here). `row_cap`: the
+    most rows the slots' steps take in one batch (default: under the batch-invariant limit,
+    31; more needs a ggml-cpu that raises that limit at run time, which each wider batch
+    then does)."""
 
     def __init__(self, target: Union[str, os.PathLike, Model], config: EngineConfig, n: int,
-                 progress: Optional[Callable[[str], None]] = None):
+                 progress: Optional[Callable[[str], None]] = None, row_cap: Optional[int] = None):
         check_parallel(n, config.n_ctx)
         if config.proposer not in ("ngram", "none"):
             raise LocalspecError("--parallel runs n-gram lookup or plain decoding; a draft model "
@@ -89,8 +92,9 @@ class Slots:
         self.engines: list = []
         self.shared = None
         try:
-            invariant = batch_invariant_rows()
-            row_cap = invariant - 1 if invariant else 64
+            if row_cap is None:      # the rows a tick's steps take together: under the
+                invariant = batch_invariant_rows()     # invariant limit, or many off the CPU
+                row_cap = invariant - 1 if invariant else 64
             self.shared = SharedContext(self.model, context_params(config), n, row_cap)
             # A shared tick's time is not one slot's cost: the curve stays as measured alone.
             # The draft store keeps one output at a time (begin/add/end): slots go without it.
