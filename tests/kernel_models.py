@@ -1,12 +1,16 @@
-"""Random-weight models of a real shape with every matrix in one weight type, for the kernel
-checks of tests/test_batch_invariant.py and tests/test_exact_libs.py (docs/exactness.md).
+"""Random-weight models of a real shape with every matrix in one weight type (or the default
+model's Q4_K_M mixture), for the kernel checks of tests/test_batch_invariant.py and
+tests/test_exact_libs.py (docs/exactness.md).
 
 SmolLM2-135M's shape (30 layers, 576 wide, 9 query and 3 KV heads, 49152-token vocabulary) from
 the cached catalog file's metadata (scripts/random_gguf.py spec), random weights quantized to the
 type asked for (scripts/random_gguf.py make --type): Q8_0 gives 211 Q8_0 matrices, Q4_0 210 Q4_0
 ones (repacked 8x8 on x86) and a Q8_0 embedding/output, F16 211 F16 ones, each multiplied by
-the kernels that type gets (docs/exactness.md, "Per weight type"). Made once per test session in
-a temporary folder (about 140, 90 and 260 MB; 10-60 s each).
+the kernels that type gets (docs/exactness.md, "Per weight type"). Q4_K_M is the default model's
+mixture on this shape: 16 Q4_K ffn_down matrices (repacked 8x8 on x86, the 4-row gemm of patch
+0003), 14 Q6_K ones (the tiled K-quant matmul: from 8 rows upstream, from 32 patched), Q5_0
+where 576 columns are no multiple of 256 (tinyBLAS), Q8_0 in some attn_v and the embedding.
+Made once per test session in a temporary folder (about 140, 90, 260 and 100 MB; 10-60 s each).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPES = ("q8_0", "q4_0", "f16")
+TYPES = ("q8_0", "q4_0", "f16", "q4_k_m")
 
 _made: dict = {}
 

@@ -4,10 +4,13 @@ output token for token with no near-tie guard, greedy or seeded (docs/exactness.
 of libraries is per process: these tests skip in a process that loaded llama.cpp's own
 (LOCALSPEC_EXACT=0, or no lib-exact), and tests/test_exact_libs.py then runs them in one that
 asked for the patched copy (LOCALSPEC_EXACT=1). The default model's checks run with
-LOCALSPEC_TEST_QWEN=1."""
+LOCALSPEC_TEST_QWEN=1. Past 32 rows (patch 0009): with the row limit raised at run time
+(backend.exact_rows_raised) batches of 33..65 and 100 rows are batch-invariant too, and with the
+default limit a 64-row prefill chunk still takes the fast kernels."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -15,6 +18,8 @@ import pytest
 
 from localspec.llama import (Context, ContextParams, Model, ModelParams, batch_invariant_rows,
                              system_info)
+from localspec.llama.backend import (exact_rows, exact_rows_raised, exact_rows_settable,
+                                     set_exact_rows)
 from localspec.policy.config import K_LIMIT
 from localspec.speculative.sampling import SamplingParams
 
@@ -25,31 +30,44 @@ INVARIANT = batch_invariant_rows() > 0
 needs_invariant = pytest.mark.skipif(
     not INVARIANT, reason="this process loaded llama.cpp's own libraries (tests/test_exact_libs.py "
                           "runs these with LOCALSPEC_EXACT=1)")
+needs_settable = pytest.mark.skipif(
+    not (INVARIANT and exact_rows_settable()),
+    reason="no batch-invariant library, or a lib-exact built before patch 0009 (rerun "
+           "./install.sh): its row limit cannot be raised")
 needs_qwen = pytest.mark.skipif(not os.environ.get("LOCALSPEC_TEST_QWEN"),
                                 reason="the default model (1 GB) runs when LOCALSPEC_TEST_QWEN=1")
 TEXT = "Speculative decoding verifies many drafted tokens at once, then keeps the longest " \
        "prefix the target agrees with. "
 
 
-def every_row_mismatch(path, n_prompt: int, threads: int) -> list:
-    """(batch size, first differing row) for each batch of 2..K_LIMIT+1 tokens whose rows are not
-    bit-identical to decoding the same tokens one at a time after an n_prompt-token context."""
+def every_row_mismatch(path, n_prompt: int, threads: int, sizes=range(2, K_LIMIT + 2),
+                       runs=None):
+    """(batch size, first differing row) for each batch of `sizes` tokens whose rows are not
+    bit-identical to decoding the same tokens one at a time after an n_prompt-token context.
+    runs [(limit, sizes), ...]: one such list per run, each with the library's row limit as it
+    is (limit None) or inside exact_rows_raised(limit), all from one context and one set of
+    one-token decodes."""
     with Model(path, ModelParams()) as model, \
             Context(model, ContextParams(n_ctx=2048, n_threads=threads)) as ctx:
         prompt = model.tokenize(TEXT * 80)[:n_prompt]
         assert len(prompt) == n_prompt
         ctx.decode(prompt, logits="none")
         base = ctx.n_past
-        cont = [(97 * i + 11) % model.n_vocab for i in range(K_LIMIT + 1)]
+        plan = runs or [(None, sizes)]
+        cont = [(97 * i + 11) % model.n_vocab for i in range(max(max(s) for _, s in plan))]
         single = np.stack([ctx.decode([t], logits="last")[0].copy() for t in cont])
-        bad = []
-        for n in range(2, K_LIMIT + 2):
-            ctx.truncate(base)
-            batch = ctx.decode(cont[:n], logits="all")
-            rows = [i for i in range(n) if not np.array_equal(batch[i], single[i])]
-            if rows:
-                bad.append((n, rows[0]))
-        return bad
+        found = []
+        for limit, run_sizes in plan:
+            bad = []
+            with exact_rows_raised(limit) if limit else contextlib.nullcontext():
+                for n in run_sizes:
+                    ctx.truncate(base)
+                    batch = ctx.decode(cont[:n], logits="all")
+                    rows = [i for i in range(n) if not np.array_equal(batch[i], single[i])]
+                    if rows:
+                        bad.append((n, rows[0]))
+            found.append(bad)
+        return found if runs else found[0]
 
 
 @needs_invariant
@@ -81,7 +99,8 @@ def test_every_row_of_a_verify_batch_equals_one_token_decodes_per_weight_type(
         random_smollm_path, n_prompt):
     """Q8_0 weights through patch 0007's shared-load tiles (llama.cpp's own build sends them to
     tinyBLAS from 2 rows), repacked Q4_0 through patch 0008's many-row gemv (llama.cpp's own: the
-    4-row gemm from 4 rows), F16 weights through patch 0006's tiles: every row of 2..17-row
+    4-row gemm from 4 rows), F16 weights through patch 0006's tiles, Q4_K_M's repacked Q4_K
+    through patch 0003's gemm and its Q6_K and Q5_0 through vec_dot: every row of 2..17-row
     batches is a one-token decode's bit for bit, after a short and a long context, on every core
     and on one."""
     assert every_row_mismatch(random_smollm_path, n_prompt, threads=os.cpu_count() or 1) == []
@@ -134,3 +153,86 @@ def test_seeded_sampling_gives_the_same_text_speculative_or_not_on_smollm(smollm
         gen = spec.generate(chat, sp, max_tokens=48)
         b = gen.complete_tokens()
     assert a == b and gen.stats.drafted > 0
+
+
+# Past 32 rows (patch 0009). Issue 42 verifies several sequences in one batch (4 slots x 9 rows =
+# 36), issue 45 drafts up to 64 tokens (65-row verify batches); prefill goes in 64-row chunks.
+WIDE = list(range(32, 66)) + [100]     # every size from the old limit to 65, and one past 64
+# Fewer sizes where a run costs more: every remainder mod 4 (the repacked gemms' row groups) and
+# of 16 full and partial (patches 0006/0007 tile columns in blocks of 16), 64 and 65. (Every
+# size of WIDE was checked on every model here once: docs/exactness.md, patch 0009.)
+WIDE_FEW = [35, 46, 64, 65]
+
+
+@needs_settable
+def test_the_invariant_row_limit_moves_at_run_time_and_comes_back():
+    """exact_rows_raised(n) raises the limit for a block; the library runs with the largest live
+    request, so an outer or overlapping block's end never lowers another's; set_exact_rows never
+    goes below the library's 32."""
+    assert exact_rows() == 32 and "BATCH_INVARIANT_SET = 1" in system_info()
+    with exact_rows_raised(66):
+        assert exact_rows() == 66
+        with exact_rows_raised(40):
+            assert exact_rows() == 66
+        with exact_rows_raised(101):
+            assert exact_rows() == 101
+        assert exact_rows() == 66
+    assert exact_rows() == 32
+    a, b = exact_rows_raised(66), exact_rows_raised(40)    # two threads' blocks, overlapping
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert exact_rows() == 40
+    b.__exit__(None, None, None)
+    assert exact_rows() == 32
+    try:
+        assert set_exact_rows(8) == 32 and exact_rows() == 32
+        assert set_exact_rows(50) == 32 and exact_rows() == 50
+        with exact_rows_raised(40):
+            assert exact_rows() == 50
+    finally:
+        set_exact_rows(32)
+    assert exact_rows() == 32
+
+
+def assert_wide_batches(path, n_prompt: int, sizes, threads: int) -> None:
+    """With the limit raised past the largest batch every row of every size is a one-token
+    decode's bit for bit; with the default limit a 64-row batch (a prefill chunk) takes the fast
+    kernels, whose rows differ from one-token decodes somewhere, before and after the raise."""
+    before, raised, after = every_row_mismatch(
+        path, n_prompt, threads, runs=[(None, [64]), (max(sizes) + 1, sizes), (None, [64])])
+    assert raised == []
+    assert before and after, "a 64-row batch on the default limit equals one-token decodes"
+    assert exact_rows() == 32
+
+
+@needs_settable
+@pytest.mark.smollm
+@pytest.mark.parametrize("n_prompt, sizes", [(40, WIDE), (1500, WIDE_FEW + [100])])
+def test_batches_of_33_to_100_rows_equal_one_token_decodes_with_the_limit_raised_on_smollm(
+        smollm_path, n_prompt, sizes):
+    """SmolLM2-135M Q4_1 (Q4_1 and Q8_0 weights, the F16 KV cache's attention matmuls): every
+    size from 32 to 65 rows and 100 after a short context, some of them after a long one."""
+    assert_wide_batches(smollm_path, n_prompt, sizes, threads=os.cpu_count() or 1)
+
+
+@needs_settable
+@pytest.mark.smollm
+@pytest.mark.parametrize("n_prompt", [40, 1500])
+def test_batches_past_32_rows_equal_one_token_decodes_with_the_limit_raised_per_weight_type(
+        random_smollm_path, n_prompt):
+    """Q8_0 (patch 0007's tiles instead of tinyBLAS), repacked Q4_0 (0008's many-row gemv instead
+    of the 4-row gemm), F16 (0006's tiles instead of tinyBLAS) and Q4_K_M (the repacked Q4_K gemm
+    of 0003, Q6_K through vec_dot instead of the tiled matmul, Q5_0 instead of tinyBLAS)."""
+    assert_wide_batches(random_smollm_path, n_prompt, WIDE_FEW, threads=os.cpu_count() or 1)
+
+
+@needs_settable
+@needs_qwen
+@pytest.mark.qwen
+@pytest.mark.parametrize("n_prompt", [40, 1500])
+def test_batches_of_33_to_100_rows_equal_one_token_decodes_with_the_limit_raised_on_qwen(n_prompt):
+    from localspec.catalog.models import resolve_model
+
+    assert_wide_batches(resolve_model("default", progress=False), n_prompt, WIDE,
+                        threads=os.cpu_count() or 1)
