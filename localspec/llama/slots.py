@@ -62,7 +62,7 @@ class _Work:
 
 class SharedContext(Handle):
     """One llama_context with `n_seq` sequences of `n_ctx_seq` cells each, the slots over it
-    (`slot(i)`), and the ticks that decode for them."""
+    (`slots[i]`, SeqContexts), and the ticks that decode for them."""
 
     def __init__(self, model: Model, params: ContextParams, n_seq: int, row_cap: int):
         if n_seq < 2:
@@ -86,8 +86,8 @@ class SharedContext(Handle):
         self.ticks = 0                   # llama_decode calls made for slots, for stats
         self.stalls = 0                  # ticks that waited MAX_WAIT_S for a stalled slot
         self.copies = 0                  # prompts that started from another slot's rows
-        self.row_cost = default_row_cost # a pass of n rows in one-token decodes (Slots sets
-                                         # the calibrated curve)
+        # a pass of n rows in one-token decodes; Slots.prepare() sets the calibrated curve
+        self.row_cost = default_row_cost
         self.slots = [SeqContext(self, i) for i in range(n_seq)]
 
     @property
