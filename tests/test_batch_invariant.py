@@ -18,7 +18,7 @@ import pytest
 
 from localspec.llama import (Context, ContextParams, Model, ModelParams, batch_invariant_rows,
                              system_info)
-from localspec.llama.backend import (exact_rows, exact_rows_raised, exact_rows_settable,
+from localspec.llama.exact_rows import (exact_rows, exact_rows_raised, exact_rows_settable,
                                      set_exact_rows)
 from localspec.policy.config import K_LIMIT
 from localspec.speculative.sampling import SamplingParams

@@ -15,7 +15,7 @@ import pytest
 
 from localspec.errors import LocalspecError
 from localspec.llama import Context, ContextParams, batch_invariant_rows
-from localspec.llama.backend import exact_rows_settable
+from localspec.llama.exact_rows import exact_rows_settable
 from localspec.llama.batch_shape import plan, split_cost
 from localspec.llama.slots import SharedContext, _Work
 from localspec.speculative.engine import Engine, EngineConfig

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from localspec.catalog.models import resolve_model
 from localspec.llama import Context, ContextParams, Model, ModelParams, system_info
-from localspec.llama.backend import exact_rows, exact_rows_raised, exact_rows_settable
+from localspec.llama.exact_rows import exact_rows, exact_rows_raised, exact_rows_settable
 from localspec.policy.calibrate import time_batches
 
 

@@ -33,6 +33,7 @@ from . import backend as _b
 from . import native
 from .batch_shape import default_row_cost, plan
 from .context import _IDLE, Context, ContextParams, Handle, cold_prefix
+from .exact_rows import exact_rows_raised, exact_rows_settable
 from .model import Model
 
 MAX_WAIT_S = 0.25     # a tick waits at most this long for a busy slot that has not handed in
@@ -67,7 +68,7 @@ class SharedContext(Handle):
     def __init__(self, model: Model, params: ContextParams, n_seq: int, row_cap: int):
         if n_seq < 2:
             raise ValueError("a shared context needs at least 2 sequences")
-        if row_cap >= 32 and not _b.exact_rows_settable():
+        if row_cap >= 32 and not exact_rows_settable():
             raise LocalspecError(f"steps of {row_cap} rows together need a ggml-cpu that raises "
                                  "its batch-invariant limit at run time (patch 0009; rerun "
                                  "./install.sh).")
@@ -80,6 +81,7 @@ class SharedContext(Handle):
         self._open(model, params, per_seq * n_seq, n_seq)
         self.n_ctx_seq = int(_b.C.llama_n_ctx_seq(self._ctx))
         self.lock = threading.Condition(threading.RLock())
+        self._phases: dict = {}          # (rows, slots) -> the crash line's phase
         self._pending: dict = {}         # seq -> _Work handed in, not yet run
         self._busy: set = set()          # slots in a generation: a tick waits for them
         self._stalled: set = set()       # busy slots that kept a tick waiting MAX_WAIT_S
@@ -233,11 +235,13 @@ class SharedContext(Handle):
                 b.seq_id[j][0] = w.seq
             i += m
         b.n_tokens = n
-        phase = native.encode_phase(
-            f"in llama.cpp while decoding a batch of {n} tokens for {len(group)} slot(s) with "
-            f"{self.model.path.name} on {self.model.device} {self.model.crash_hint}")
+        phase = self._phases.get((n, len(group)))      # the crash line, made once per shape
+        if phase is None:
+            phase = self._phases[n, len(group)] = native.encode_phase(
+                f"in llama.cpp while decoding a batch of {n} tokens for {len(group)} slot(s) "
+                f"with {self.model.path.name} on {self.model.device} {self.model.crash_hint}")
         wide = n >= 32 and not any(w.prompt for w in group)     # past the default limit:
-        with _b.exact_rows_raised(n + 1) if wide else contextlib.nullcontext():   # row_cap > 31
+        with exact_rows_raised(n + 1) if wide else contextlib.nullcontext():   # row_cap > 31
             native.set_phase(phase)
             rc = _b.C.llama_decode(self._live(), b)
             native.set_phase(_IDLE)

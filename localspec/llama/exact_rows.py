@@ -1,0 +1,87 @@
+"""The batch-invariant row limit of localspec's ggml-cpu, moved at run time (patch 0009,
+docs/exactness.md "Past 32 rows"): batches of fewer rows than the limit compute every row as a
+one-token decode does. Bound here through backend.py's ggml_function."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+
+from ..errors import LocalspecError
+from .backend import _state, batch_invariant_rows, cpu_features, ggml_function, library_account
+
+
+def exact_rows_settable() -> bool:
+    """Whether this process's ggml-cpu lets the batch-invariant row limit move at run time
+    (patch 0009: the BATCH_INVARIANT_SET feature and ggml_cpu_set_exact_rows); False for
+    llama.cpp's own libraries and for a lib-exact built before 0009 (rerun ./install.sh)."""
+    return cpu_features().get("BATCH_INVARIANT_SET") == "1"
+
+
+def _exact_rows_function(name: str, restype, *argtypes):
+    fn = _state.get(name)
+    if fn is None:
+        if not exact_rows_settable():
+            raise LocalspecError(
+                "this process's ggml-cpu cannot raise its batch-invariant row limit ("
+                + ("a lib-exact built before patch 0009; rerun ./install.sh"
+                   if batch_invariant_rows() else f"it loaded {library_account()}") + ").")
+        fn = _state[name] = ggml_function(name, restype, *argtypes)
+    return fn
+
+
+_exact_rows_lock = threading.Lock()
+_exact_rows_state: dict = {"base": 32, "raised": []}   # set_exact_rows, live exact_rows_raised
+
+
+def _apply_exact_rows() -> None:
+    _exact_rows_function("ggml_cpu_set_exact_rows", None, ctypes.c_int)(
+        max([_exact_rows_state["base"]] + _exact_rows_state["raised"]))
+
+
+def exact_rows() -> int:
+    """Batches of fewer rows than this compute every row bit-identically to a one-token decode
+    right now: ggml_cpu_get_exact_rows() where settable, else batch_invariant_rows() (32, or 0
+    for llama.cpp's own libraries)."""
+    if not exact_rows_settable():
+        return batch_invariant_rows()
+    return int(_exact_rows_function("ggml_cpu_get_exact_rows", ctypes.c_int)())
+
+
+def set_exact_rows(n: int) -> int:
+    """Process-wide: from now on batches of fewer than `n` rows (at least 32, the library's
+    default) take the batch-invariant kernels, and batches of `n` rows or more the fast ones
+    (tinyBLAS, the tiled K-quant matmul, the repacked 4-row gemms), as in prefill. A decode
+    reads the setting once when its graph starts, so set it between decodes. Raising it makes
+    batches of 32 to n-1 rows (prefill's 64-row chunks, if n > 64) slower: cost to be measured
+    (tools/exact_rows_cost.py). Returns the previous setting. Raises LocalspecError where
+    exact_rows_settable() is False. exact_rows_raised() raises it for one block instead."""
+    with _exact_rows_lock:
+        previous = _exact_rows_state["base"]
+        _exact_rows_state["base"] = max(32, int(n))
+        _apply_exact_rows()
+    return previous
+
+
+@contextlib.contextmanager
+def exact_rows_raised(n: int):
+    """`with exact_rows_raised(66): ctx.decode(rows)`: batches of up to n-1 rows are batch-
+    invariant inside the block, and the setting goes back afterwards. Nests and overlaps across
+    threads: the library runs with the largest n any live block asked for (or set_exact_rows's
+    value), so one block's end never lowers another's. Raises LocalspecError where
+    exact_rows_settable() is False."""
+    n = max(32, int(n))
+    with _exact_rows_lock:
+        _exact_rows_state["raised"].append(n)
+        try:
+            _apply_exact_rows()
+        except BaseException:
+            _exact_rows_state["raised"].remove(n)
+            raise
+    try:
+        yield
+    finally:
+        with _exact_rows_lock:
+            _exact_rows_state["raised"].remove(n)
+            _apply_exact_rows()
