@@ -1,29 +1,36 @@
-"""The GPU measurements of issue 16, in one process: cost curve, identity, draft cost.
+"""The GPU measurements of issue 16, in one process: cost curve, identity, draft cost, slots.
 
     python scripts/gpu_measure.py --target T.gguf [--draft D.gguf] [--also M.gguf ...]
                                   [--gpu-layers -1] [--k-max 32] [--tokens 64] [--json out.json]
-                                  [--what curve,identity,draft] [--prompts 20]
+                                  [--what curve,identity,draft,parallel] [--prompts 20]
 
 - r(k) for k = 0..k_max of every model (calibrate.measure, best of 5 rounds), and which k the
   policy picks on that curve at a given acceptance (it should draft long where r(k) is flat);
 - identity: greedy speculative output vs plain on the test suite's 20 prompts, with n-gram
   drafting (adaptive policy) and with scripted drafts of k=8 that are all correct (every row of
   every batch is used), divergences with their top-2 gap from a one-token decode;
-- the draft model's one-token decode in target steps, and whether the can-it-pay check keeps it.
+- the draft model's one-token decode in target steps, and whether the can-it-pay check keeps it;
+- parallel: the prompts as concurrent greedy n-gram requests through `--parallel` slots (one
+  shared context, one batch per tick) against each run alone, text and tokens, and the aggregate
+  tokens/s of the slots against one request at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import queue
 import sys
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from step_overhead import ScriptedProposer      # this folder is sys.path[0]
 
 from localspec.policy.calibrate import measure
 from localspec.speculative.engine import Engine, EngineConfig
+from localspec.speculative.parallel import Slots
 from localspec.llama import Context, ContextParams, Model, ModelParams, system_info
 from localspec.policy.config import PolicyConfig
 from localspec.policy.draft_estimate import DraftPolicy
@@ -94,6 +101,59 @@ def identity(path: str, layers: int, n_tokens: int, threads) -> dict:
     return out
 
 
+def parallel(path: str, layers: int, n_tokens: int, threads, n_slots: int = 4) -> dict:
+    """The prompts through `n_slots` slots at once (one thread per slot, each taking the next
+    prompt) against each prompt alone in a context of a slot's size: identical texts and tokens,
+    and tokens/s over the whole set both ways."""
+    slot_ctx = 1024
+    cfg = EngineConfig(proposer="ngram", n_ctx=slot_ctx, n_threads=threads, n_gpu_layers=layers,
+                       cache_mb=0)
+    with Engine(path, cfg) as eng:
+        t = time.perf_counter()
+        alone = []
+        for prompt in PROMPTS:
+            gen = eng.generate(prompt, max_tokens=n_tokens)
+            alone.append(gen.complete_tokens())
+        alone_s = time.perf_counter() - t
+        out = {"model": Path(path).name, "prompts": len(PROMPTS), "slots": n_slots}
+        with Slots(eng.model, replace(cfg, n_ctx=slot_ctx * n_slots),
+                   n_slots) as slots:
+            jobs: queue.Queue = queue.Queue()
+            for i, prompt in enumerate(PROMPTS):
+                jobs.put((i, prompt))
+            together: list = [None] * len(PROMPTS)
+            errors: list = []
+
+            def worker(engine):
+                while True:
+                    try:
+                        i, prompt = jobs.get_nowait()
+                    except queue.Empty:
+                        return
+                    try:
+                        together[i] = engine.generate(prompt, max_tokens=n_tokens).complete_tokens()
+                    except Exception as e:        # noqa: BLE001  (a result, not a crash)
+                        errors.append(f"prompt {i}: {e!r}")
+            t = time.perf_counter()
+            workers = [threading.Thread(target=worker, args=(e,)) for e in slots.engines]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            slots_s = time.perf_counter() - t
+            out["ticks"], out["stalls"] = slots.shared.ticks, slots.shared.stalls
+    n_alone = sum(len(a) for a in alone)
+    n_together = sum(len(x) for x in together if x is not None)
+    diverged = [{"prompt": i, "at": first_divergence(a, x)} for i, (a, x) in
+                enumerate(zip(alone, together)) if x is not None and a != x]
+    out.update({"identical": sum(1 for a, x in zip(alone, together) if a == x),
+                "diverged": diverged, "errors": errors,
+                "alone_tps": round(n_alone / alone_s, 1),
+                "slots_tps": round(n_together / slots_s, 1),
+                "speedup": round((n_together / slots_s) / (n_alone / alone_s), 3)})
+    return out
+
+
 def draft_cost(target: dict, draft_path: str, layers: int, threads) -> dict:
     d = curve(draft_path, layers, 1, threads)
     cost = d["ms_per_step"] / target["ms_per_step"]
@@ -113,7 +173,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS),
                     help="identity on the first N of the suite's prompts")
     ap.add_argument("--what", default="curve,identity,draft",
-                    help="comma-separated: curve, identity, draft (draft cost needs --draft)")
+                    help="comma-separated: curve, identity, draft (draft cost needs --draft), "
+                         "parallel (the target only)")
+    ap.add_argument("--slots", type=int, default=4, help="parallel: slots at once")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -125,6 +187,12 @@ def main(argv=None) -> None:
     def save():       # after every model: a run cut short keeps what it finished
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
+    if "parallel" in what:
+        res["parallel"] = p = parallel(a.target, a.gpu_layers, a.tokens, a.threads, a.slots)
+        print(f"{p['model']}: {p['slots']} slots: {p['identical']}/{p['prompts']} identical to "
+              f"their lone run, {p['slots_tps']} tok/s against {p['alone_tps']} one at a time "
+              f"({p['speedup']}x), {p['ticks']} ticks, errors {p['errors']}", file=sys.stderr)
+        save()
     for path in [a.target, *a.also]:
         t = time.perf_counter()
         if "curve" in what:

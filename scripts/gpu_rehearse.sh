@@ -85,7 +85,7 @@ call() {
   local n=$1
   (cd "$DIR/tree" && env -u LOCALSPEC_HOME -u VIRTUAL_ENV OUT="$DIR/out$n" IMAGE_PYTHON="$DIR/image/bin/python" \
      LOCALSPEC_BACKEND=cpu PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null \
-     RUN_BUDGET_S=${REHEARSAL_BUDGET_S:-420} DIAG_CASE_TIMEOUT=60 TOKENS=6 IDENTITY_PROMPTS=2 \
+     RUN_BUDGET_S=${REHEARSAL_BUDGET_S:-420} DIAG_CASE_TIMEOUT=60 TOKENS=6 IDENTITY_PROMPTS=2 PARALLEL_TOKENS=8 \
      K_MAX=4 KS=0,2 OVERHEAD_TOKENS=4 THREADS=1 \
      BENCH_ARGS="--cases chat-haiku -n 8 --no-warmup --threads 1 --ctx 1024" BENCH_TIMEOUT=300 \
      bash scripts/gpu_run.sh) > "$DIR/call$n.log" 2>&1

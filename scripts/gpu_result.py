@@ -6,7 +6,8 @@ Makes sure RESULT_FILE exists and says how the step ended: a JSON result gets a 
 (and, unless the step ended "ok", "log_tail": the last 40 lines of the step's log); a missing JSON
 result is written as {"step", "status", "log_tail"}; a text result (tests.log) gets a last line
 "status: ...". Then prints one line for run.log: the status and the step's headline numbers
-(the diagnostic verdict, identity counts, r(k), overhead times, bench ratios, pytest's summary).
+(the diagnostic verdict, identity counts, the slots' identity and speed, r(k), overhead times,
+bench ratios, pytest's summary).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def headline(step: str, data) -> str:
                        if i[mode]["diverged"] else "")
                     for mode in ("ngram", "scripted-k8") if mode in i)
                 for i in data.get("identity", []))
+        if step == "parallel":
+            p = data["parallel"]
+            return (f"{p['slots']} slots: {p['identical']}/{p['prompts']} identical to their lone"
+                    f" run, {p['slots_tps']} against {p['alone_tps']} tok/s one at a time "
+                    f"({p['speedup']}x)" + (f", errors: {p['errors']}" if p["errors"] else ""))
         if step == "qwen":
             over = headline("overhead", data.get("overhead") or {})
             return headline("curve", data) + (f"; overhead: {over}" if over else "")

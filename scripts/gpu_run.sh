@@ -9,6 +9,8 @@
 #   diagnose    150 s  diagnose.json    one load per process: llama_cpp.Llama, localspec's door,
 #                                       the raw load + one suspect per case; cuda-gdb stacks
 #   identity     90 s  identity.json    greedy speculative == plain (n-gram; scripted k=8)
+#   parallel     75 s  parallel.json    4 slots in one context (--parallel): each request's text
+#                                       against its lone run, tokens/s against one at a time
 #   curve        90 s  curve.json       r(k) for k = 0..16 and the policy's k (SmolLM2 shape)
 #   overhead     75 s  overhead.json    Python time per step around the device, engine/prototype
 #   bench       120 s  bench.json       the real SmolLM2-135M: plain, ngram, peer
@@ -29,7 +31,7 @@
 # Usage: scripts/gpu_run.sh [STEP ...]     (default: every step not done yet)
 # Env: OUT, RUN_BUDGET_S, GPU_LAYERS, IMAGE_PYTHON (python3), FORCE=1 (redo done steps),
 #      <STEP>_TIMEOUT (SETUP_TIMEOUT, ...), DIAG_CASES, DIAG_CASE_TIMEOUT (40), TOKENS (32),
-#      IDENTITY_PROMPTS (20), K_MAX (16), KS (0,4,8,16), OVERHEAD_TOKENS (64),
+#      IDENTITY_PROMPTS (20), PARALLEL_TOKENS (64), K_MAX (16), KS (0,4,8,16), OVERHEAD_TOKENS (64),
 #      BENCH_ARGS ("-n 64"), TESTS_ARGS, THREADS (identity, curve, overhead; default: all cores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -176,6 +178,14 @@ step_identity() {
     ${THREADS:+--threads "$THREADS"} --json "$OUT/identity.json"
 }
 
+step_parallel() {
+  local m
+  m=$(shape_model smollm2-135m) || m=$(tiny_model)
+  "$VPY" scripts/gpu_measure.py --what parallel --target "$m" --gpu-layers "$(layers)" \
+    --tokens "${PARALLEL_TOKENS:-64}" --prompts "${IDENTITY_PROMPTS:-20}" --slots 4 \
+    ${THREADS:+--threads "$THREADS"} --json "$OUT/parallel.json"
+}
+
 step_curve() {
   local models=() m
   m=$(shape_model smollm2-135m) && models+=("$m")
@@ -229,12 +239,12 @@ step_tests() {
   "$VPY" -m pytest -q -p no:cacheprovider -m device tests/ ${TESTS_ARGS:-} > "$OUT/tests.log" 2>&1
 }
 
-STEPS=(setup diagnose identity curve overhead bench tests qwen)
-declare -A CAP=([setup]=480 [diagnose]=150 [identity]=90 [curve]=90 [overhead]=75 [bench]=120
-                [tests]=300 [qwen]=240)
+STEPS=(setup diagnose identity parallel curve overhead bench tests qwen)
+declare -A CAP=([setup]=480 [diagnose]=150 [identity]=90 [parallel]=75 [curve]=90 [overhead]=75
+                [bench]=120 [tests]=300 [qwen]=240)
 declare -A RESULT=([setup]=setup.log [diagnose]=diagnose.json [identity]=identity.json
-                   [curve]=curve.json [overhead]=overhead.json [bench]=bench.json [tests]=tests.log
-                   [qwen]=qwen.json)
+                   [parallel]=parallel.json [curve]=curve.json [overhead]=overhead.json
+                   [bench]=bench.json [tests]=tests.log [qwen]=qwen.json)
 
 if [ "${1:-}" = --one ]; then      # a child: one step, its output in the step's log
   mkdir -p "$MODELS"

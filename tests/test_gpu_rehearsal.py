@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FILES_1 = {"run.log", "setup.log", "diagnose.json", "identity.json", "curve.json", "overhead.json"}
+FILES_1 = {"run.log", "setup.log", "diagnose.json", "identity.json", "parallel.json", "curve.json",
+           "overhead.json"}
 
 
 def real_home() -> Path:
@@ -112,5 +113,10 @@ def test_identity_curve_overhead_and_bench_say_what_ran(rehearsal):
     assert bench["status"].startswith("ok"), bench.get("log_tail")
     assert {r["mode"] for r in bench["rows"]} == {"plain", "ngram", "peer"}
     log = (out / "out2" / "run.log").read_text()
-    for step in ("setup", "diagnose", "identity", "curve", "overhead", "bench", "tests", "qwen"):
+    par = load(out / "out1", "parallel.json")
+    assert par["status"].startswith("ok"), par.get("log_tail")
+    p = par["parallel"]
+    assert p["identical"] == p["prompts"] == 2 and not p["errors"]    # the CPU: exact
+    for step in ("setup", "diagnose", "identity", "parallel", "curve", "overhead", "bench",
+                 "tests", "qwen"):
         assert f" {step}: " in log         # one status line per step, across both calls

@@ -5,8 +5,11 @@ cancelled or failing request never holds up or changes the others."""
 
 from __future__ import annotations
 
+import os
 import queue
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -276,3 +279,29 @@ def test_steps_past_32_rows_need_the_run_time_limit(smollm):
         pytest.skip("this ggml-cpu raises its limit at run time")
     with pytest.raises(LocalspecError, match="patch 0009"):
         Slots(smollm, config(2), 2, row_cap=64)
+
+
+def test_slots_run_on_llama_cpps_own_libraries(tiny_path):
+    """Where rows promise no exactness (llama.cpp's own ggml-cpu, LOCALSPEC_EXACT=0, as on a
+    GPU build), slots still serve: the wide-tick row limit is not a patch-0009 requirement there
+    (the offline GPU recipe's rehearsal found `--parallel` refused on such a build)."""
+    code = f"""
+import threading
+from localspec.llama import batch_invariant_rows
+from localspec.speculative.engine import EngineConfig
+from localspec.speculative.parallel import Slots
+assert batch_invariant_rows() == 0
+cfg = EngineConfig(n_ctx=1024, proposer="ngram", cache_mb=0, n_threads=1)
+with Slots({str(tiny_path)!r}, cfg, 2) as slots:
+    out = [None, None]
+    def run(i):
+        out[i] = "".join(slots.engines[i].generate("abc abc abc", max_tokens=12))
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    [t.start() for t in ts]; [t.join() for t in ts]
+    assert out[0] and out[0] == out[1], out
+    print("ok", slots.shared.row_cap, slots.shared.ticks)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, LOCALSPEC_EXACT="0"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith("ok 64 ")

@@ -85,3 +85,13 @@ def exact_rows_raised(n: int):
         with _exact_rows_lock:
             _exact_rows_state["raised"].remove(n)
             _apply_exact_rows()
+
+
+def exact_for(n_rows: int):
+    """The block in which a batch of `n_rows` rows that must equal one-token decodes runs:
+    exact_rows_raised(n_rows + 1) past the default limit where the limit moves, else nothing
+    (under 32 rows the kernels are exact already; llama.cpp's own libraries and devices other
+    than the CPU promise no exact rows, so there is nothing to raise)."""
+    if n_rows >= 32 and exact_rows_settable():
+        return exact_rows_raised(n_rows + 1)
+    return contextlib.nullcontext()

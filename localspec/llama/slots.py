@@ -33,7 +33,7 @@ from . import backend as _b
 from . import native
 from .batch_shape import default_row_cost, plan
 from .context import _IDLE, Context, ContextParams, Handle, cold_prefix
-from .exact_rows import exact_rows_raised, exact_rows_settable
+from .exact_rows import exact_for, exact_rows_settable
 from .model import Model
 
 MAX_WAIT_S = 0.25     # a tick waits at most this long for a busy slot that has not handed in
@@ -68,10 +68,10 @@ class SharedContext(Handle):
     def __init__(self, model: Model, params: ContextParams, n_seq: int, row_cap: int):
         if n_seq < 2:
             raise ValueError("a shared context needs at least 2 sequences")
-        if row_cap >= 32 and not exact_rows_settable():
+        if row_cap >= 32 and _b.batch_invariant_rows() and not exact_rows_settable():
             raise LocalspecError(f"steps of {row_cap} rows together need a ggml-cpu that raises "
                                  "its batch-invariant limit at run time (patch 0009; rerun "
-                                 "./install.sh).")
+                                 "./install.sh).")   # (llama.cpp's own promise no exact rows)
         per_seq = slot_size(params.n_ctx, n_seq)
         if per_seq == 0:
             raise LocalspecError(f"a context of {params.n_ctx} tokens cannot hold {n_seq} "
@@ -240,8 +240,8 @@ class SharedContext(Handle):
             phase = self._phases[n, len(group)] = native.encode_phase(
                 f"in llama.cpp while decoding a batch of {n} tokens for {len(group)} slot(s) "
                 f"with {self.model.path.name} on {self.model.device} {self.model.crash_hint}")
-        wide = n >= 32 and not any(w.prompt for w in group)     # past the default limit:
-        with exact_rows_raised(n + 1) if wide else contextlib.nullcontext():   # row_cap > 31
+        steps = not any(w.prompt for w in group)        # a prompt chunk keeps prefill's kernels
+        with exact_for(n) if steps else contextlib.nullcontext():        # row_cap > 31
             native.set_phase(phase)
             rc = _b.C.llama_decode(self._live(), b)
             native.set_phase(_IDLE)
