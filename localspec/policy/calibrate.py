@@ -28,6 +28,50 @@ FIRST_RUN_BUDGET_S = 3.0  # a run without a finished curve times batches this lo
 FULL_ROUNDS = 3           # whole rounds, gathered over the slices of several runs, finish a curve
 MAX_ROUNDS = 8            # rounds kept in the cache file (the newest)
 UNKNOWN_SLOPE = 0.3       # r(k) = 1 + 0.3 k where no batch was timed yet: a middling CPU's
+DENSE_K = 16              # every k up to this is timed; past it only SPARSE_K, and r(k) between
+SPARSE_K = (20, 24, 28, 32, 40, 48, 56, 64)  # them is a straight line (a 65-row batch costs
+                                             # ~14 decodes on 2 cores: timing every k to 64
+                                             # would take minutes)
+
+
+def timed_ks(k_max: int) -> list:
+    """The k whose batches a calibration times: all up to DENSE_K, then SPARSE_K and k_max.
+
+    >>> timed_ks(4), timed_ks(40)[-4:]
+    ([1, 2, 3, 4], [24, 28, 32, 40])
+    """
+    dense = list(range(1, min(k_max, DENSE_K) + 1))
+    sparse = sorted({k for k in SPARSE_K if DENSE_K < k <= k_max} | ({k_max} - set(dense)))
+    return dense + sparse
+
+
+def _fill(points: dict, k_max: int) -> list:
+    """r(0..k_max) from r at some k ({k: r}, k=0 is 1): straight lines between them, and past the
+    largest one r(k) grows in proportion to k (the slope of the line from r(0) = 1).
+
+    >>> _fill({2: 2.0, 4: 3.0}, 6)
+    [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
+    """
+    known = sorted({0: 1.0, **points}.items())
+    top, r_top = known[-1]
+    out = []
+    for k in range(k_max + 1):
+        if k >= top:
+            out.append(1.0 + (r_top - 1.0) / top * k if top else 1.0 + UNKNOWN_SLOPE * k)
+            continue
+        j = next(i for i, (kk, _) in enumerate(known) if kk >= k)
+        (k0, r0), (k1, r1) = known[j - 1] if known[j][0] > k else known[j], known[j]
+        out.append(r1 if k1 == k0 else r0 + (r1 - r0) * (k - k0) / (k1 - k0))
+    return out
+
+
+def _suffix_min(ratios: list) -> list:
+    """A spike at k (noise) cannot make k dearer than a larger batch measured cheaper. Real dips
+    survive (repacked CPU kernels work in groups of 4: k=3 can beat k=2)."""
+    for k in range(len(ratios) - 2, 0, -1):
+        ratios[k] = min(ratios[k], ratios[k + 1])
+    ratios[0] = 1.0
+    return ratios
 
 
 def first_run_budget() -> float:
@@ -92,24 +136,21 @@ def time_batches(ctx: Context, sizes: Sequence[int], reps: int,
 
 
 def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
-    """Decode batches of 1..k_max+1 tokens after a short prefix; keep the fastest of `reps` rounds.
+    """Decode batches of k+1 tokens for k in 0 and timed_ks(k_max) after a short prefix; keep the
+    fastest of `reps` rounds; r(k) between timed k on straight lines.
 
-    Leaves the context empty. Costs about reps * sum(r(k)) one-token decodes. notes["stability"]
-    says how well the rounds agreed (costmodel.round_stability).
+    Leaves the context empty. Costs about reps * sum(r(k)) one-token decodes over the timed k.
+    notes["stability"] says how well the rounds agreed (costmodel.round_stability).
     """
-    rounds = time_batches(ctx, range(1, k_max + 2), reps)
-    times = [min(r[k] for r in rounds) for k in range(k_max + 1)]  # noise only ever adds time
+    ks = timed_ks(k_max)
+    rounds = time_batches(ctx, [1] + [k + 1 for k in ks], reps)
+    times = [min(r[i] for r in rounds) for i in range(len(ks) + 1)]  # noise only adds time
     one = times[0]
-    ratios = [max(1.0, t / one) for t in times]
-    # Suffix minimum: a spike at k (noise) cannot make k dearer than a larger batch measured
-    # cheaper. Real dips survive (repacked CPU kernels work in groups of 4: k=3 can beat k=2).
-    for k in range(k_max - 1, 0, -1):
-        ratios[k] = min(ratios[k], ratios[k + 1])
-    ratios[0] = 1.0
+    ratios = _suffix_min(_fill({k: max(1.0, t / one) for k, t in zip(ks, times[1:])}, k_max))
     return CostCurve(tuple(round(r, 3) for r in ratios), ms_per_step=1000 * one,
                      notes={"stability": round_stability(rounds), "samples": {
                          "t0": [r[0] for r in rounds],
-                         **{str(k): [r[k] / r[0] for r in rounds] for k in range(1, k_max + 1)}}})
+                         **{str(k): [r[i + 1] / r[0] for r in rounds] for i, k in enumerate(ks)}}})
 
 
 def curve_from_samples(samples: dict, k_max: int, key: str = "") -> CostCurve:
@@ -143,7 +184,7 @@ def _slice(ctx: Context, samples: dict, k_max: int, deadline: float) -> dict:
     against its own one-token decode; returns `samples` with the new r(k) added."""
     out = {k: list(v) for k, v in samples.items()}
     for _ in range(FULL_ROUNDS):
-        order = sorted(range(1, k_max + 1), key=lambda k: (len(out.get(str(k), [])), k))
+        order = sorted(timed_ks(k_max), key=lambda k: (len(out.get(str(k), [])), k))
         left = deadline - time.perf_counter()
         if left <= 0:
             break
