@@ -28,6 +28,10 @@ The cases (each is also a subcommand, runnable by hand):
   raw-probes   raw + llama_print_system_info and ggml_backend_dev_memory of every device before
                the load (the device context created before llama.cpp creates it)
   raw-imports  raw with numpy, cffi, click and localspec's C module imported before llama_cpp
+  raw-numpy    raw with numpy alone imported before llama_cpp
+  raw-stdcxx   raw-imports, with libstdc++.so.6 loaded RTLD_GLOBAL before llama_cpp (what the
+               door does since the first H200 run: libllama's C++ calls bind to the real runtime,
+               not to a copy libggml-cuda carries)
   raw-freed    raw, then a generator suspended mid-decode whose `finally` touches the context
                after it was freed, run at interpreter teardown (a use after free: crashes or not)
   raw-all      raw-logcb + raw-probes + raw-imports together
@@ -51,13 +55,14 @@ import time
 from pathlib import Path
 
 CASES = ("control", "door", "door-cpu", "doctor", "raw", "raw-intmax", "raw-quiet", "raw-logcb",
-         "raw-probes", "raw-imports", "raw-freed", "raw-all")
+         "raw-probes", "raw-imports", "raw-numpy", "raw-stdcxx", "raw-freed", "raw-all")
 SUSPECTS = {       # a raw-* case: what it adds to raw
     "raw-intmax": "n_gpu_layers 0x7FFFFFFF instead of -1",
     "raw-quiet": "stdout/stderr muted during the load (what Llama does)",
     "raw-logcb": "a Python log callback called from llama.cpp's threads",
     "raw-probes": "llama_print_system_info + ggml_backend_dev_memory before the load",
     "raw-imports": "numpy, cffi, click, localspec._ngram_c imported before llama_cpp",
+    "raw-numpy": "numpy alone imported before llama_cpp",
     "raw-freed": "a generator's finally touching a freed context at teardown",
     "raw-all": "the Python log callback, the probes and the imports together",
 }
@@ -153,7 +158,11 @@ class _Muted:
 
 def case_raw(model: str, layers: int, tokens: int, case: str = "raw") -> str:
     import contextlib
-    adds = {"raw-all": ("raw-logcb", "raw-probes", "raw-imports")}.get(case, (case,))
+    adds = {"raw-all": ("raw-logcb", "raw-probes", "raw-imports"),
+            "raw-stdcxx": ("raw-stdcxx", "raw-imports")}.get(case, (case,))
+    if "raw-numpy" in adds:
+        stage("import numpy")
+        import numpy  # noqa: F401
     if "raw-imports" in adds:
         stage("import numpy, cffi, click, localspec._ngram_c")
         import numpy  # noqa: F401
@@ -164,6 +173,9 @@ def case_raw(model: str, layers: int, tokens: int, case: str = "raw") -> str:
             import localspec._ngram_c  # noqa: F401
         except ImportError as e:
             print(f"  (localspec._ngram_c not importable: {e})", file=sys.stderr)
+    if "raw-stdcxx" in adds:
+        stage("libstdc++.so.6 loaded RTLD_GLOBAL")
+        ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_GLOBAL | os.RTLD_NOW)
     stage("import llama_cpp")
     import llama_cpp
     stage("llama_log_set")
@@ -330,6 +342,10 @@ def verdict(results: dict) -> str:
     elif bad("raw-all") and good("raw"):
         parts.append("no single suspect crashes, all of them together do (raw-all "
                      + results["raw-all"]["status"] + ")")
+    if "raw-stdcxx" in results and (bad("raw-imports") or bad("raw-numpy")):
+        parts.append("with libstdc++ loaded RTLD_GLOBAL first the same imports "
+                     + ("run (raw-stdcxx ok): the door's fix holds here" if good("raw-stdcxx")
+                        else "still crash (raw-stdcxx " + results["raw-stdcxx"]["status"] + ")"))
     if door:
         parts.append("localspec's door: " + ", ".join(
             f"{c} {results[c]['status']} at {results[c]['stage'] or '?'}" for c in door))
@@ -345,13 +361,42 @@ def verdict(results: dict) -> str:
         f"{c} {results[c]['status']}" for c in ran if not good(c))
 
 
+def cxx_copies() -> dict:
+    """Which of llama_cpp's libraries define C++ runtime code of their own (libstdc++'s stream
+    and locale functions, in the dynamic table or only in the symbol table): a copy there is
+    what libllama's `stream << int` ran in when the first H200 run crashed. nm from binutils;
+    {} where it or the package is missing."""
+    nm = shutil.which("nm")
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("llama_cpp")
+    except (ImportError, ValueError):
+        spec = None
+    if nm is None or spec is None or not spec.submodule_search_locations:
+        return {}
+    out = {}
+    pattern = ("_ZNSo9_M_insert", "codecvt", "_ZNSt6locale", "ios_base4Init")
+    for lib in sorted(Path(list(spec.submodule_search_locations)[0], "lib").glob("lib*.so")):
+        row = {}
+        for table, flags in (("dynamic", ["-D", "--defined-only"]), ("all", ["--defined-only"])):
+            try:
+                text = subprocess.run([nm, *flags, str(lib)], capture_output=True, text=True,
+                                      timeout=60).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            hits = [line.split()[-1] for line in text.splitlines() if any(p in line for p in pattern)]
+            row[table] = {"count": len(hits), "first": hits[:6]}
+        out[lib.name] = row
+    return out
+
+
 def matrix(model: str, layers: int, tokens: int, cases, case_timeout: float, budget: float,
            gdb_runs: int, json_path, env=None) -> dict:
     t0 = time.monotonic()
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     debugger = find_debugger()
     out = {"model": Path(model).name, "layers": layers, "debugger": debugger or "",
-           "cases": {}, "skipped": [], "verdict": ""}
+           "cases": {}, "skipped": [], "verdict": "", "cxx_copies": cxx_copies()}
 
     def save():
         out["verdict"] = verdict(out["cases"])

@@ -32,7 +32,8 @@
 # Env: OUT, RUN_BUDGET_S, GPU_LAYERS, IMAGE_PYTHON (python3), FORCE=1 (redo done steps),
 #      <STEP>_TIMEOUT (SETUP_TIMEOUT, ...), DIAG_CASES, DIAG_CASE_TIMEOUT (40), TOKENS (32),
 #      IDENTITY_PROMPTS (20), PARALLEL_TOKENS (64), K_MAX (16), KS (0,4,8,16), OVERHEAD_TOKENS (64),
-#      BENCH_ARGS ("-n 64"), TESTS_ARGS, THREADS (identity, curve, overhead; default: all cores)
+#      BENCH_ARGS ("-n 64"), TESTS_ARGS, THREADS (identity, curve, overhead; default: all cores),
+#      GPU_LEAN_BUILD=1 (no flash-attention kernels: a shorter CUDA build)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -88,8 +89,10 @@ step_setup() {
   # PIP_NO_BUILD_ISOLATION=0 means "no build isolation" (pip reads the no- option's value).
   # No --exact libraries: exactness is a CPU claim, and their build would cost device minutes.
   local rc=0
+  # GPU_LEAN_BUILD=1: no flash-attention kernels (their templates are most of the CUDA build's
+  # time): for a run that only has minutes left to find why a load crashes
   PIP_NO_INDEX=1 PIP_FIND_LINKS=$ROOT/.gpu/whl PIP_NO_BUILD_ISOLATION=0 LOCALSPEC_EXACT_LIBS=0 \
-    LOCALSPEC_LLAMA_SRC=$src SKBUILD_BUILD_DIR=$ROOT/.gpu-build ./install.sh >> "$OUT/setup.log" 2>&1 || rc=$?
+    CMAKE_ARGS="${CMAKE_ARGS:-}${GPU_LEAN_BUILD:+ -DGGML_CUDA_FA=OFF}" LOCALSPEC_LLAMA_SRC=$src SKBUILD_BUILD_DIR=$ROOT/.gpu-build ./install.sh >> "$OUT/setup.log" 2>&1 || rc=$?
   if [ $rc != 0 ]; then
     echo "# .venv/install.log, last 60 lines" >> "$OUT/setup.log"
     tail -60 "$ROOT/.venv/install.log" >> "$OUT/setup.log" 2>/dev/null

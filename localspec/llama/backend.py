@@ -57,9 +57,27 @@ def _load_llama_cpp(exact: Optional[bool] = None):
     return C
 
 
+def _global_libstdcxx() -> None:
+    """Put the C++ runtime in the process's global symbol scope before llama.cpp loads, so that
+    libllama's C++ calls bind to it and never to a copy another library carries. A CUDA build's
+    libggml-cuda was seen carrying its own copy of libstdc++'s stream and locale code (H200,
+    CUDA 13.0: llama_model::print_info's `stream << int` ran in libggml-cuda's copy and crashed
+    in codecvt, docs/gpu.md). libllama is loaded RTLD_LOCAL, so which definition it gets follows
+    its dependency order; a copy's locale facet ids, numbered at first use, then need not match
+    the real runtime's, and whether they do depends on what ran first (importing numpy first
+    changed it). Loading libstdc++.so.6 RTLD_GLOBAL first (or promoting it, when numpy's C++
+    code loaded it already) makes the real runtime win whatever was imported before."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_GLOBAL | os.RTLD_NOW)
+        except OSError:
+            pass          # a static or musl build: no separate runtime to promote
+
+
 def _import_llama_cpp(exact: bool) -> str:
     given = os.environ.get("LLAMA_CPP_LIB_PATH")
     account = libs.choose(exact)
+    _global_libstdcxx()
     try:
         import llama_cpp  # noqa: F401  (reads LLAMA_CPP_LIB_PATH here, and only here)
     except (OSError, RuntimeError) as e:     # a library that would not load: say which set
