@@ -13,6 +13,7 @@ import numpy as np
 from ..errors import LocalspecError
 from . import backend as _b
 from . import native, rpc
+from .exact_rows import exact_for
 from .model import Model
 
 _IDLE = native.encode_phase(native.IDLE)
@@ -224,15 +225,19 @@ class Context(Handle):
         return self._logits(ctx, n_rows)
 
     def _decode_chunk(self, ctx, tokens: Sequence[int], want: np.ndarray) -> int:
-        """One llama_decode of `tokens` at n_past, logits where `want` is 1; its return code."""
+        """One llama_decode of `tokens` at n_past, logits where `want` is 1; its return code.
+        A batch with logits on every row is a verify batch: each row must equal a one-token
+        decode, so past 31 rows it runs under a raised invariant limit (exact_for); a prefill
+        chunk keeps the fast kernels (a cold run's prefill is the same chunk)."""
         m = len(tokens)
         self._tok[:m] = tokens
         self._pos[:m] = np.arange(self.n_past, self.n_past + m)
         self._out[:m] = want
         self._batch.n_tokens = m
-        native.set_phase(self._decode_phase(m))
-        rc = _b.C.llama_decode(ctx, self._batch)
-        native.set_phase(_IDLE)
+        with exact_for(m) if m >= 32 and want.all() else contextlib.nullcontext():
+            native.set_phase(self._decode_phase(m))
+            rc = _b.C.llama_decode(ctx, self._batch)
+            native.set_phase(_IDLE)
         _b.drain_log()
         _b._state["decoded"] = True
         return rc

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..policy.acceptance import TokenClasses
+from ..llama.exact_rows import exact_rows_settable
 from ..policy.config import K_LIMIT
 from ..catalog.models import resolve_model
 from .compat import check_pair
@@ -64,9 +65,11 @@ def build(target: Union[str, os.PathLike, Model], config: EngineConfig,
 def batches_trusted(config: EngineConfig) -> bool:
     """Whether a verify batch's rows equal one-token decodes bit for bit, so the near-tie guard
     can go: the target runs on the CPU (no GPU or RPC layers) with localspec's batch-invariant
-    ggml-cpu, for batches as large as the policy may verify (docs/exactness.md)."""
+    ggml-cpu, for batches as large as the policy may verify: under its row limit, or past it
+    where the limit moves for each wider decode (patch 0009; docs/exactness.md)."""
     on_cpu = config.n_gpu_layers == 0 and not config.rpc
-    return on_cpu and batch_invariant_rows() > K_LIMIT + 1
+    rows = batch_invariant_rows()
+    return on_cpu and bool(rows) and (rows > K_LIMIT + 1 or exact_rows_settable())
 
 
 def load_model(target: Union[str, os.PathLike], n_gpu_layers: int = 0,

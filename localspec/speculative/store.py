@@ -32,7 +32,7 @@ CONTEXT_MIN, CONTEXT_MAX = 2, 6     # context lengths tried; 1-token contexts dr
 MAX_COUNTED = 64                # newest occurrences counted (a count is at most this)
 FLOOR = 0.1                     # least score (product of count ratios) a drafted token may have
 MAX_CAPACITY = lib.LSST_MAX_CAPACITY    # the most tokens one C index holds (2**28)
-_K = 64                          # output buffers: the policy never asks for more (K_LIMIT 16)
+_K = 64                          # output buffers: the policy never asks for more (K_LIMIT)
 _START = 1 << 16                 # tokens a new store's index holds before it first doubles
 _alloc = ffi.new_allocator(should_clear_after_alloc=False)
 
