@@ -9,8 +9,11 @@ ones (repacked 8x8 on x86) and a Q8_0 embedding/output, F16 211 F16 ones, each m
 the kernels that type gets (docs/exactness.md, "Per weight type"). Q4_K_M is the default model's
 mixture on this shape: 16 Q4_K ffn_down matrices (repacked 8x8 on x86, the 4-row gemm of patch
 0003), 14 Q6_K ones (the tiled K-quant matmul: from 8 rows upstream, from 32 patched), Q5_0
-where 576 columns are no multiple of 256 (tinyBLAS), Q8_0 in some attn_v and the embedding.
-Made once per test session in a temporary folder (about 140, 90, 260 and 100 MB; 10-60 s each).
+where 576 columns are no multiple of 256 (tinyBLAS upstream, patch 0010's tiles), Q8_0 in some
+attn_v and the embedding. Q5_0 (patch 0010), BF16 and F32 (patch 0011) are every matrix in that
+type; IQ4_NL is 207 IQ4_NL matrices (repacked 8x8 on x86: patch 0012's many-row gemv), 3 Q5_K
+and a Q8_0 embedding/output. Made once per test session in a temporary folder (about 140, 90,
+260, 100, 100, 260, 520 and 90 MB; 10-60 s each).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPES = ("q8_0", "q4_0", "f16", "q4_k_m")
+TYPES = ("q8_0", "q4_0", "f16", "q4_k_m", "q5_0", "bf16", "f32", "iq4_nl")
+# llama.cpp file types random_gguf.py has no name for (llama_ftype: LLAMA_FTYPE_MOSTLY_BF16, _IQ4_NL)
+EXTRA_FTYPES = {"bf16": 32, "iq4_nl": 25}
 
 _made: dict = {}
 
@@ -42,7 +47,7 @@ def random_smollm(source: str, folder: Path, wtype: str) -> Path:
             rg.write_spec(source, str(spec))
         out = folder / f"smollm2-135m-random-{wtype}.gguf"
         if not out.exists():
-            rg.make(str(spec), str(out), rg.FTYPES[wtype], seed=0, logit_scale=rg.LOGIT_SCALE,
+            rg.make(str(spec), str(out), {**rg.FTYPES, **EXTRA_FTYPES}[wtype], seed=0, logit_scale=rg.LOGIT_SCALE,
                     threads=2, workdir=None)
         _made[key] = out
     return _made[key]

@@ -129,40 +129,29 @@ with Model({path!r}, ModelParams()) as model, \\
 
 
 @pytest.fixture(scope="session")
-def random_q8_0_path(smollm_path, tmp_path_factory):
-    """SmolLM2-135M's shape with Q8_0 weights (tests/kernel_models.py)."""
+def random_models(smollm_path, tmp_path_factory):
+    """SmolLM2-135M's shape with every matrix in one weight type (tests/kernel_models.py): the
+    path for a type, each made on first use."""
     from kernel_models import random_smollm
 
-    return random_smollm(smollm_path, tmp_path_factory.getbasetemp() / "kernel-models", "q8_0")
-
-
-@pytest.fixture(scope="session")
-def random_q4_0_path(smollm_path, tmp_path_factory):
-    """SmolLM2-135M's shape with Q4_0 weights, repacked on x86 (tests/kernel_models.py)."""
-    from kernel_models import random_smollm
-
-    return random_smollm(smollm_path, tmp_path_factory.getbasetemp() / "kernel-models", "q4_0")
-
-
-@pytest.fixture(scope="session")
-def random_f16_path(smollm_path, tmp_path_factory):
-    """SmolLM2-135M's shape with F16 weights (tests/kernel_models.py)."""
-    from kernel_models import random_smollm
-
-    return random_smollm(smollm_path, tmp_path_factory.getbasetemp() / "kernel-models", "f16")
+    return lambda wtype: random_smollm(smollm_path, tmp_path_factory.getbasetemp() /
+                                       "kernel-models", wtype)
 
 
 @needs_exact_libs
-@pytest.mark.parametrize("model", ["tiny_path", "smollm_path", "random_q8_0_path",
-                                   "random_q4_0_path", "random_f16_path"])
+@pytest.mark.parametrize("model", ["tiny_path", "smollm_path", "q8_0", "q4_0", "f16", "q5_0",
+                                   "bf16", "f32", "iq4_nl"])
 def test_one_token_decoding_is_llama_cpps_own_bit_for_bit(model, request):
     """The patches change how batches of 2-31 rows are computed, not what one row computes: a
     one-token decode on the batch-invariant library gives llama.cpp's own logits bit for bit,
-    patch 0006's shared-conversion F16 attention and F16 weights, patch 0007's Q8_0 tiles and
-    patch 0008's many-row Q4_0 gemv included (they serve one-token decodes too). These models' prefill is also the same
-    computation in both; the default model's is not quite (patch 0003 rounds the repacked Q4_K
-    gemm once per block), docs/exactness.md."""
-    code = ONE_TOKEN_LOGITS.format(path=str(request.getfixturevalue(model)))
+    patch 0006's shared-conversion F16 attention and F16 weights, patch 0007's Q8_0 tiles, patch
+    0008's many-row Q4_0 gemv, patch 0010's Q5_0 tiles, patch 0011's F32 (the tiny model) and
+    BF16 tiles and patch 0012's IQ4_NL gemv included (they serve one-token decodes too). These models' prefill is also the
+    same computation in both; the default model's is not quite (patch 0003 rounds the repacked
+    Q4_K gemm once per block), docs/exactness.md."""
+    path = (request.getfixturevalue(model) if model.endswith("_path")
+            else request.getfixturevalue("random_models")(model))
+    code = ONE_TOKEN_LOGITS.format(path=str(path))
     mine, theirs = run_python(code, LOCALSPEC_EXACT="1"), run_python(code, LOCALSPEC_EXACT="0")
     assert mine.returncode == 0 and theirs.returncode == 0, mine.stderr + theirs.stderr
     assert mine.stdout.split()[-1] == theirs.stdout.split()[-1]

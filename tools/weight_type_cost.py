@@ -1,0 +1,110 @@
+"""Benchmark: what the batch-invariant kernels cost verify batches, per weight type (issue 44,
+docs/exactness.md "Per weight type").
+
+    python -m tools.weight_type_cost q8_0=random-q8_0.gguf f16=random-f16.gguf
+    python -m tools.weight_type_cost --lib own2=/tmp/avx2-own --lib patched2=/tmp/avx2-patched \\
+        --rounds 2 q5_0=random-q5_0.gguf
+
+r(k) = the fastest of --reps k-token decodes (logits on every row) after a 500-token context over
+the fastest one-token decode, k = 1, 2, 4, 8, 16. Each library runs in its own process (the
+library is chosen when llama.cpp loads): `own` is llama.cpp's (LOCALSPEC_EXACT=0), `patched`
+localspec's lib-exact (LOCALSPEC_EXACT=1), and --lib NAME=DIR adds a folder laid out like
+lib-exact (LLAMA_CPP_LIB_PATH=DIR; then only the --lib ones run unless --with-default).
+Libraries interleave per model and round, in reverse order every other round, so drift on a
+shared machine hits all alike. Prints one JSON line per run on stdout, then per model the
+median over rounds of each library's r(k) and the last library's against the first (+ dearer).
+A benchmark, not a test: run it on a quiet machine; it asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KS = (1, 2, 4, 8, 16)
+
+# One library per process: the child times the decodes and prints one JSON object.
+CHILD = """
+import json, os, sys, time
+from localspec.llama import Model, ModelParams, Context, ContextParams, batch_invariant_rows
+path, threads, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ks = [int(k) for k in sys.argv[4].split(",")]
+with Model(path, ModelParams()) as model, \\
+        Context(model, ContextParams(n_ctx=2048, n_threads=threads)) as ctx:
+    ctx.decode(model.tokenize("Speculative decoding verifies drafted tokens. " * 80)[:500],
+               logits="none")
+    base, cont = ctx.n_past, [(97 * i + 11) % model.n_vocab for i in range(max(ks) + 1)]
+    best = {k: 1e9 for k in ks}
+    for _ in range(reps):
+        for k in ks:
+            ctx.truncate(base)
+            t = time.perf_counter()
+            ctx.decode(cont[:k], logits="all")
+            best[k] = min(best[k], time.perf_counter() - t)
+print(json.dumps({"invariant_rows": batch_invariant_rows(), "t1_ms": best[1] * 1e3,
+                  "r": {k: best[k] / best[1] for k in ks}, "load": os.getloadavg()[0]}))
+"""
+
+
+def run_one(lib_env: dict, path: str, threads: int, reps: int) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOCALSPEC_EXACT", "LLAMA_CPP_LIB_PATH")}
+    env.update(lib_env)
+    out = subprocess.run([sys.executable, "-c", CHILD, path, str(threads), str(reps),
+                          ",".join(map(str, KS))], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"error: timing {path} with {lib_env} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="+", metavar="NAME=GGUF")
+    ap.add_argument("--lib", action="append", default=[], metavar="NAME=DIR",
+                    help="a library folder laid out like lib-exact (repeatable)")
+    ap.add_argument("--with-default", action="store_true",
+                    help="also time `own` and `patched` when --lib is given")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=30, help="decodes per k and run (fastest kept)")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    libs = {}
+    if not a.lib or a.with_default:
+        libs = {"own": {"LOCALSPEC_EXACT": "0"}, "patched": {"LOCALSPEC_EXACT": "1"}}
+    for spec in a.lib:
+        name, folder = spec.split("=", 1)
+        libs[name] = {"LLAMA_CPP_LIB_PATH": str(Path(folder).resolve())}
+    models = dict(m.split("=", 1) for m in a.models)
+    runs: dict = {}
+    for rnd in range(a.rounds):
+        order = list(libs) if rnd % 2 == 0 else list(reversed(libs))
+        for name, path in models.items():
+            for lib in order:
+                res = run_one(libs[lib], path, a.threads, a.reps)
+                res.update(model=name, lib=lib, round=rnd + 1)
+                print(json.dumps(res), flush=True)
+                runs.setdefault((name, lib), []).append(res)
+    first, last = list(libs)[0], list(libs)[-1]
+    print(f"\nmedian r(k) over {a.rounds} rounds, {a.threads} threads; {last} against {first}:")
+    for name in models:
+        for lib in libs:
+            rs = runs[(name, lib)]
+            med = {k: statistics.median(r["r"][str(k)] for r in rs) for k in KS[1:]}
+            runs[(name, lib, "median")] = med
+            t1 = statistics.median(r["t1_ms"] for r in rs)
+            print(f"  {name:8} {lib:10} t1 {t1:6.1f} ms  " +
+                  "  ".join(f"r({k}) {v:5.2f}" for k, v in med.items()))
+        a_med, b_med = runs[(name, first, "median")], runs[(name, last, "median")]
+        print(f"  {name:8} {last + '/' + first:21}  " +
+              "  ".join(f"r({k}) {100 * (b_med[k] / a_med[k] - 1):+4.0f}%" for k in KS[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
