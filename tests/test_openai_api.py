@@ -58,7 +58,7 @@ def test_defaults_are_the_cli_defaults_greedy_and_unbounded():
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, 400,
      "messages[0].tool_calls"),
     ({"messages": USER, "model": "other"}, 404, "model"),
-    ({"messages": USER, "localspec": {"k": 17}}, 400, "localspec.k"),      # over K_LIMIT
+    ({"messages": USER, "localspec": {"k": 65}}, 400, "localspec.k"),      # over K_LIMIT
     ({"messages": USER, "localspec": {"k": -1}}, 400, "localspec.k"),
     ({"messages": USER, "localspec": []}, 400, "localspec"),
 ])

@@ -35,7 +35,7 @@ def _csv(_ctx, _param, value):
                    "session), draft, hybrid (n-gram, then the "
                    "draft model), peer (llama-cpp-python's LlamaPromptLookupDecoding, k=10); "
                    "add -kN to any but plain to draft exactly N tokens (ngram-k3, peer-k4; "
-                   "N at most 16 but for peer). llamacpp-mod, llamacpp-simple: llama.cpp's own "
+                   "N at most 64 but for peer). llamacpp-mod, llamacpp-simple: llama.cpp's own "
                    "n-gram speculation (its llama-speculative-simple, built once by "
                    "scripts/llamacpp_tools.sh), each over llamacpp-plain, the same binary's "
                    "plain decoding, which runs with them.")

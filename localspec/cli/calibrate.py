@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..policy.calibrate import load_or_measure
+from ..policy.calibrate import load_or_measure, timed_ks
 from ..policy.costmodel import stability_line
 from .options import COMMAND, model_option, open_engine, placement_options
 
@@ -28,9 +28,11 @@ def calibrate(**kw):
       localspec calibrate -m smollm2-135m --threads 2
     """
     with open_engine(kw, learn=False) as engine:      # plain decoding: nothing to learn
-        curve = load_or_measure(engine.ctx, engine.config.n_gpu_layers, force=True, attempts=3,
-                                progress=lambda m: click.echo(m, err=True))
+        k_max = engine.config.policy.k_max                  # the curve the engine reads
+        curve = load_or_measure(engine.ctx, engine.config.n_gpu_layers, k_max, force=True,
+                                attempts=3, progress=lambda m: click.echo(m, err=True))
+    ks = [0] + timed_ks(k_max)             # past 16 only these are timed; lines between them
     click.echo(f"one-token decode: {curve.ms_per_step:.1f} ms")
-    click.echo("k:    " + " ".join(f"{k:>5}" for k in range(len(curve.ratios))))
-    click.echo("r(k): " + " ".join(f"{r:5.2f}" for r in curve.ratios))
+    click.echo("k:    " + " ".join(f"{k:>5}" for k in ks))
+    click.echo("r(k): " + " ".join(f"{curve.ratios[k]:5.2f}" for k in ks))
     click.echo(stability_line(curve.notes["stability"], curve.notes.get("attempts", 1)))
