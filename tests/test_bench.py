@@ -99,7 +99,7 @@ def test_parse_modes_puts_plain_first_and_reads_fixed_k():
         [("draft", None), ("hybrid", 2)]
     assert parse_modes("ngram-k16")[0].policy.fixed_k == 16
     assert parse_modes("peer-k32")[0].fixed_k == 32      # llama-cpp-python's, not our cap
-    for bad in ("fast", "plain-k2", "ngram-kx", "", "ngram-unbudgeted", "ngram-k17"):
+    for bad in ("fast", "plain-k2", "ngram-kx", "", "ngram-unbudgeted", "ngram-k65"):
         with pytest.raises(LocalspecError):
             parse_modes(bad)
 

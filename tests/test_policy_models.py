@@ -147,6 +147,7 @@ def fake_ctx(tmp_path):
             repacked = True
             placement = ""                   # every layer on the CPU
         n_threads = 2
+        n_batch = 512
 
     Ctx.model.path.write_bytes(b"gguf")
     return Ctx

@@ -31,7 +31,7 @@ def calibrate(**kw):
         k_max = engine.config.policy.k_max                  # the curve the engine reads
         curve = load_or_measure(engine.ctx, engine.config.n_gpu_layers, k_max, force=True,
                                 attempts=3, progress=lambda m: click.echo(m, err=True))
-    ks = [0] + timed_ks(k_max)             # past 16 only these are timed; lines between them
+    ks = [0] + timed_ks(len(curve.ratios) - 1)   # past 16 only these are timed; lines between
     click.echo(f"one-token decode: {curve.ms_per_step:.1f} ms")
     click.echo("k:    " + " ".join(f"{k:>5}" for k in ks))
     click.echo("r(k): " + " ".join(f"{curve.ratios[k]:5.2f}" for k in ks))

@@ -166,8 +166,9 @@ class Context(Handle):
 
     def draft_room(self) -> int:
         """The most drafts a step may verify here now, whatever the policy wants: a lone
-        context has no other sequence to share its batch with."""
-        return self.n_ctx
+        context has no other sequence to share its batch with, but a verify batch (the last
+        token and its drafts) must be one decode chunk."""
+        return min(self.n_ctx, self.n_batch - 1)
 
     @property
     def clean(self) -> tuple:

@@ -210,6 +210,7 @@ def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
 
     With `budget_s` (a run that must answer soon), a missing, unfinished or noisy curve gets
     one slice of at most that many seconds instead (sliced())."""
+    k_max = min(k_max, ctx.n_batch - 1)    # a verify batch is one decode chunk (--ctx 64)
     key = curve_key(ctx, n_gpu_layers, k_max)
     path = cache_dir("calibration") / f"{key}.json"    # fails early if the cache is unusable
     cached = None
