@@ -14,6 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
+
 from .costmodel import Stability, ratio_stability, round_stability
 from ..files import cache_dir, env_number, jsonsafe
 from ..files.atomic import atomic_write, set_aside, warn
@@ -52,17 +54,11 @@ def _fill(points: dict, k_max: int) -> list:
     >>> _fill({2: 2.0, 4: 3.0}, 6)
     [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
     """
-    known = sorted({0: 1.0, **points}.items())
-    top, r_top = known[-1]
-    out = []
-    for k in range(k_max + 1):
-        if k >= top:
-            out.append(1.0 + (r_top - 1.0) / top * k if top else 1.0 + UNKNOWN_SLOPE * k)
-            continue
-        j = next(i for i, (kk, _) in enumerate(known) if kk >= k)
-        (k0, r0), (k1, r1) = known[j - 1] if known[j][0] > k else known[j], known[j]
-        out.append(r1 if k1 == k0 else r0 + (r1 - r0) * (k - k0) / (k1 - k0))
-    return out
+    ks, rs = zip(*sorted({0: 1.0, **points}.items()))
+    top = ks[-1]
+    slope = (rs[-1] - 1.0) / top if top else UNKNOWN_SLOPE
+    inside = np.interp(np.arange(top + 1), ks, rs)
+    return [float(r) for r in inside] + [1.0 + slope * k for k in range(top + 1, k_max + 1)]
 
 
 def _suffix_min(ratios: list) -> list:
