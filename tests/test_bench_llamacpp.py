@@ -148,7 +148,8 @@ def _fake_toolchain(tmp_path, monkeypatch, fail=False):
     (bin_ / "cmake").write_text(f"""#!/bin/sh
 echo "$@" >> {tmp_path}/cmake.args
 case "$1" in
-  -S) ls "$2" > {tmp_path}/tree.ls; echo "-- Configuring done";;
+  -S) ls "$2" > {tmp_path}/tree.ls; echo "-- Configuring done"
+      cat "$2/examples/speculative-simple/speculative-simple.cpp" > {tmp_path}/tool.cpp;;
   --build) echo "[ 10%] Building C object a.o"; echo "[ 60%] Building CXX object b.o"
            {'echo "error: boom"; exit 2' if fail else ''}
            mkdir -p "$2/bin"
@@ -166,9 +167,11 @@ esac
     import tarfile
     src = tmp_path / "src" / "llama_cpp_python-9.9.9" / "vendor" / "llama.cpp"
     for rel in ("CMakeLists.txt", "models/ggml-vocab.gguf", "common/common.cpp",
-                "tools/server/server.cpp"):
+                "tools/server/server.cpp", llamacpp_build.DRAIN_FILE):
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_text("x")
+    (src / llamacpp_build.DRAIN_FILE).write_text("int main() {\n    run();\n\n"
+                                                 + llamacpp_build.DRAIN_AT + "\n")
     sd = tmp_path / "home" / "sdist"
     sd.mkdir(parents=True)
     with tarfile.open(sd / "llama_cpp_python-9.9.9.tar.gz", "w:gz") as tar:
@@ -187,9 +190,35 @@ def test_build_configures_with_the_wheels_flags_and_caches_the_binary(tmp_path, 
     assert any("compile: 10%" in s for s in said) and any("compile: 100%" in s for s in said)
     assert said[0].startswith("building llama.cpp's llama-speculative-simple")
     assert llamacpp_build.require_tool() == out / "llama-speculative-simple"
+    tool_cpp = (tmp_path / "tool.cpp").read_text()             # the one edit, in the built copy
+    assert tool_cpp.count("common_log_pause(common_log_main());") == 1
+    assert tool_cpp.index("common_log_pause") < tool_cpp.index("return 0;")
     (tmp_path / "cmake.args").unlink()
     assert llamacpp_build.build(said.append) == out          # cached: no cmake at all
     assert not (tmp_path / "cmake.args").exists()
+
+
+def test_a_tool_built_before_the_log_edit_is_rebuilt(tmp_path, monkeypatch):
+    _fake_toolchain(tmp_path, monkeypatch)
+    out = llamacpp_build.build(lambda s: None)
+    build_note = out / "BUILD"
+    build_note.write_text(build_note.read_text().replace(llamacpp_build.DRAIN_STAMP, ""))
+    with pytest.raises(LocalspecError, match="built before the bench's log edit.*rebuild"):
+        llamacpp_build.require_tool()
+    (tmp_path / "cmake.args").unlink()
+    assert llamacpp_build.build(lambda s: None) == out and (tmp_path / "cmake.args").exists()
+    assert llamacpp_build.require_tool() == out / "llama-speculative-simple"
+
+
+def test_a_source_that_ends_otherwise_is_one_line(tmp_path, monkeypatch):
+    _fake_toolchain(tmp_path, monkeypatch)
+    given = tmp_path / "src" / "llama_cpp_python-9.9.9"
+    (given / "vendor" / "llama.cpp" / llamacpp_build.DRAIN_FILE).write_text("int main() {}\n")
+    monkeypatch.setenv("LOCALSPEC_LLAMA_SRC", str(given))
+    with pytest.raises(LocalspecError, match="does not end as .* log edit needs updating"):
+        llamacpp_build.build(lambda s: None)
+    assert (given / "vendor" / "llama.cpp" / llamacpp_build.DRAIN_FILE).read_text() == \
+        "int main() {}\n"                                    # the caller's tree untouched
 
 
 def test_llama_server_is_built_on_demand_into_the_same_folder(tmp_path, monkeypatch):

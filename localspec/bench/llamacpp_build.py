@@ -54,6 +54,16 @@ SKIP_DIRS = ("models", "docs", "media", "gguf-py", "tests", "tools", ".git", ".g
 EXTRA_ARGS = {SERVER: ("-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
                        "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")}
 NEEDS_DIRS = {SERVER: ("tools",)}
+# The one edit to the stock source, for the tool only: llama.cpp leaks its logger on purpose
+# (common_log_main, ggml-org/llama.cpp#22142), so the lines its worker thread has not written when
+# main() returns are lost. On a loaded machine that was the run's summary ("encoded N tokens",
+# which the bench reads): the tool now drains its log before it returns. Its stamp in BUILD tells
+# a binary built with the edit from one built before it.
+DRAIN_AT = ('    LOG("\\n\\n");\n\n    return 0;\n}')
+DRAIN_WITH = ('    LOG("\\n\\n");\n\n    common_log_pause(common_log_main()); // localspec: drain the log\n'
+              '\n    return 0;\n}')
+DRAIN_FILE = "examples/speculative-simple/speculative-simple.cpp"
+DRAIN_STAMP = "edit: the tool drains its log before it returns"
 # Measured: the server 15.6 CPU-minutes (25.5 min wall, 2 jobs, niced, on a loaded 2-vCPU Xeon).
 BUILD_MINUTES = {TOOL: "9 CPU-minutes", SERVER: "16 CPU-minutes"}
 
@@ -103,6 +113,10 @@ def build_command(name: str = TOOL) -> str:
 def require_tool(name: str = TOOL) -> Path:
     """The built binary, or a one-line error saying how to build it."""
     path = tool_path(name)
+    if path.is_file() and not built(path.parent, name):
+        raise LocalspecError(f"llama.cpp's {name} in {path.parent} was built before the bench's "
+                             f"log edit (its summary can be lost at exit); rebuild it once "
+                             f"({BUILD_MINUTES.get(name, 'minutes')}): {build_command(name)}")
     if not path.is_file():
         raise LocalspecError(f"llama.cpp's {name} is not built for this flag set "
                              f"({path.parent.name}); build it once "
@@ -165,8 +179,33 @@ def source_tree(ver: str, work: Path, say: Say, keep: tuple = ()) -> Path:
         if missing:
             raise LocalspecError(f"LOCALSPEC_LLAMA_SRC={given} has no vendor/llama.cpp/"
                                  f"{missing[0]} (a trimmed tree?).")
-        return tree
+        # A copy: the tool's edit (DRAIN_AT) never touches the caller's tree.
+        skip = set(SKIP_DIRS) - set(keep)
+        copy = work / "llama.cpp"
+        shutil.copytree(tree, copy, symlinks=True,
+                        ignore=lambda d, names: [n for n in names if n in skip] if d == str(tree)
+                        else [])
+        return copy
     return unpack_vendored(sdist(ver, say), work, keep)
+
+
+def drain_log_at_exit(tree: Path) -> None:
+    """The tool's one edit (DRAIN_AT); a source whose main() does not end as expected is a
+    one-line error, not a binary that loses its summary."""
+    path = tree / DRAIN_FILE
+    text = path.read_text()
+    if text.count(DRAIN_AT) != 1:
+        raise LocalspecError(f"{DRAIN_FILE} does not end as llama-cpp-python 0.3.36's does; "
+                             "the bench's log edit needs updating for this version.")
+    path.write_text(text.replace(DRAIN_AT, DRAIN_WITH))
+
+
+def built(out: Path, target: str) -> bool:
+    """The target's binary is there, and the tool's was built with its edit."""
+    if not (out / target).is_file():
+        return False
+    stamp = out / "BUILD"
+    return target != TOOL or (stamp.is_file() and DRAIN_STAMP in stamp.read_text())
 
 
 # -- the build -------------------------------------------------------------------------------------
@@ -216,14 +255,14 @@ def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = 
         raise LocalspecError(f"unknown target {unknown[0]!r}; known: {TOOL}, {SERVER}.")
     ver, args = version(), cmake_args()
     out = bin_dir(ver, args)
-    if all((out / t).is_file() for t in targets):
+    if all(built(out, t) for t in targets):
         return out
     missing = [t for t in ("cmake", "c++") if not shutil.which(t)]
     if missing:
         raise LocalspecError(f"building llama.cpp's tools needs {' and '.join(missing)} "
                              "(e.g. apt-get install cmake g++, or pip install cmake).")
     with _lock(out.parent / f"{out.name}.lock", say):
-        todo = tuple(t for t in targets if not (out / t).is_file())
+        todo = tuple(t for t in targets if not built(out, t))
         if not todo:
             return out
         jobs = jobs or os.cpu_count() or 2
@@ -242,6 +281,8 @@ def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = 
             work = Path(work)
             try:
                 tree = source_tree(ver, work, say, keep)
+                if TOOL in todo:
+                    drain_log_at_exit(tree)
                 _run_logged(["cmake", "-S", str(tree), "-B", str(work / "build"), *fixed,
                              *args], log, say, "configure")
                 _run_logged(["cmake", "--build", str(work / "build"), "--config", "Release",
@@ -262,7 +303,7 @@ def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = 
             for t, path in found.items():
                 shutil.copy2(path, tmp / t)
             note = (f"llama-cpp-python {ver}: {', '.join(todo)}\n{' '.join(fixed)}\n"
-                    f"{' '.join(args)}\n")
+                    f"{' '.join(args)}\n" + (f"{TOOL} {DRAIN_STAMP}\n" if TOOL in todo else ""))
             if out.is_dir():
                 for t in todo:
                     os.replace(tmp / t, out / t)
