@@ -6,7 +6,8 @@ docs/exactness.md "Per weight type").
         --rounds 2 q5_0=random-q5_0.gguf
 
 r(k) = the fastest of --reps k-token decodes (logits on every row) after a 500-token context over
-the fastest one-token decode, k = 1, 2, 4, 8, 16. Each library runs in its own process (the
+the fastest one-token decode, k = 1, 2, 4, 8, 16 (or --ks; past 31 rows the patched library
+raises its row limit for the decode, as verify batches run: Context.decode). Each library runs in its own process (the
 library is chosen when llama.cpp loads): `own` is llama.cpp's (LOCALSPEC_EXACT=0), `patched`
 localspec's lib-exact (LOCALSPEC_EXACT=1), and --lib NAME=DIR adds a folder laid out like
 lib-exact (LLAMA_CPP_LIB_PATH=DIR; then only the --lib ones run unless --with-default).
@@ -51,12 +52,12 @@ print(json.dumps({"invariant_rows": batch_invariant_rows(), "t1_ms": best[1] * 1
 """
 
 
-def run_one(lib_env: dict, path: str, threads: int, reps: int) -> dict:
+def run_one(lib_env: dict, path: str, threads: int, reps: int, ks=KS) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("LOCALSPEC_EXACT", "LLAMA_CPP_LIB_PATH")}
     env.update(lib_env)
     out = subprocess.run([sys.executable, "-c", CHILD, path, str(threads), str(reps),
-                          ",".join(map(str, KS))], capture_output=True, text=True, env=env,
+                          ",".join(map(str, ks))], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"error: timing {path} with {lib_env} failed:\n{out.stderr[-2000:]}")
@@ -73,7 +74,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30, help="decodes per k and run (fastest kept)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ks", default=",".join(map(str, KS)),
+                    help="batch sizes to time, comma-separated, 1 first (default %(default)s)")
     a = ap.parse_args(argv)
+    ks = tuple(int(k) for k in a.ks.split(","))
+    if ks[0] != 1 or any(k < 1 or k > 512 for k in ks):
+        ap.error("--ks must start with 1 and stay within 1..512")
     libs = {}
     if not a.lib or a.with_default:
         libs = {"own": {"LOCALSPEC_EXACT": "0"}, "patched": {"LOCALSPEC_EXACT": "1"}}
@@ -86,7 +92,7 @@ def main(argv=None) -> int:
         order = list(libs) if rnd % 2 == 0 else list(reversed(libs))
         for name, path in models.items():
             for lib in order:
-                res = run_one(libs[lib], path, a.threads, a.reps)
+                res = run_one(libs[lib], path, a.threads, a.reps, ks)
                 res.update(model=name, lib=lib, round=rnd + 1)
                 print(json.dumps(res), flush=True)
                 runs.setdefault((name, lib), []).append(res)
@@ -95,14 +101,14 @@ def main(argv=None) -> int:
     for name in models:
         for lib in libs:
             rs = runs[(name, lib)]
-            med = {k: statistics.median(r["r"][str(k)] for r in rs) for k in KS[1:]}
+            med = {k: statistics.median(r["r"][str(k)] for r in rs) for k in ks[1:]}
             runs[(name, lib, "median")] = med
             t1 = statistics.median(r["t1_ms"] for r in rs)
             print(f"  {name:8} {lib:10} t1 {t1:6.1f} ms  " +
                   "  ".join(f"r({k}) {v:5.2f}" for k, v in med.items()))
         a_med, b_med = runs[(name, first, "median")], runs[(name, last, "median")]
         print(f"  {name:8} {last + '/' + first:21}  " +
-              "  ".join(f"r({k}) {100 * (b_med[k] / a_med[k] - 1):+4.0f}%" for k in KS[1:]))
+              "  ".join(f"r({k}) {100 * (b_med[k] / a_med[k] - 1):+4.0f}%" for k in ks[1:]))
     return 0
 
 
