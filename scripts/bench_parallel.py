@@ -689,7 +689,9 @@ def build_args(argv: Optional[list] = None):
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rounds", type=int, default=None, help="default 2 (--quick: 1)")
     ap.add_argument("--configs", default=None, help=f"default {DEFAULT_CONFIGS}")
-    ap.add_argument("--scenarios", default="fim,throughput")
+    ap.add_argument("--scenarios", default="fim,throughput",
+                    help="what to measure, comma-separated: fim (time to first token, idle and "
+                         "beside a streaming chat), throughput (clients at once); default both")
     ap.add_argument("--ctx", type=int, default=None, help="context per slot (default 2048)")
     ap.add_argument("--chat-tokens", type=int, default=None, help="the long reply (default 900)")
     ap.add_argument("--fim-every", type=float, default=None, help="seconds (default 2)")
