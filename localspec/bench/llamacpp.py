@@ -169,8 +169,9 @@ class LlamaCppTool:
         self.last_run: Optional[Run] = None
 
     def run(self, prompt: str, sampling: SamplingParams, max_tokens: int) -> Outcome:
-        """One run; a log that comes back incomplete (seen twice on a loaded box, exit status 0:
-        cause unknown) is run once more."""
+        """One run; a log that comes back incomplete is run once more. (The cause seen, on
+        loaded boxes: llama.cpp's leaked logger lost its last lines at exit; the build now makes
+        the tool drain its log, llamacpp_build.DRAIN_AT. The retry stays for what else may.)"""
         try:
             return self._run(prompt, sampling, max_tokens)
         except IncompleteLog:
