@@ -9,6 +9,10 @@ one-token decode, for k = 1..--k-max, once with the library's default limit (32:
 rows take tinyBLAS, the tiled K-quant matmul and the repacked 4-row gemms) and once with the
 limit raised to --limit (every batch below it takes the batch-invariant kernels). The two
 settings alternate round by round in one process, so drift on a shared machine hits both alike.
+Since K_LIMIT 64, Context.decode raises the limit itself for any decode of 32+ rows that wants
+every row's logits (llama/exact_rows.exact_for), so the "default" column past 31 rows is exact
+too: to compare with llama.cpp's fast kernels there, use `python -m tools.weight_type_cost
+--ks ...` (llama.cpp's own library in its own process).
 Needs the batch-invariant library with patch 0009 (./install.sh). Run it on a quiet machine;
 a benchmark, not a test: it prints and asserts nothing.
 """
