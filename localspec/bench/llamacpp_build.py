@@ -113,13 +113,13 @@ def build_command(name: str = TOOL) -> str:
 def require_tool(name: str = TOOL) -> Path:
     """The built binary, or a one-line error saying how to build it."""
     path = tool_path(name)
-    if path.is_file() and not built(path.parent, name):
-        raise LocalspecError(f"llama.cpp's {name} in {path.parent} was built before the bench's "
-                             f"log edit (its summary can be lost at exit); rebuild it once "
-                             f"({BUILD_MINUTES.get(name, 'minutes')}): {build_command(name)}")
     if not path.is_file():
         raise LocalspecError(f"llama.cpp's {name} is not built for this flag set "
                              f"({path.parent.name}); build it once "
+                             f"({BUILD_MINUTES.get(name, 'minutes')}): {build_command(name)}")
+    if not built(path.parent, name):
+        raise LocalspecError(f"llama.cpp's {name} in {path.parent} was built before the bench's "
+                             f"log edit (its summary can be lost at exit); rebuild it once "
                              f"({BUILD_MINUTES.get(name, 'minutes')}): {build_command(name)}")
     return path
 
