@@ -13,7 +13,9 @@ localspec's lib-exact (LOCALSPEC_EXACT=1), and --lib NAME=DIR adds a folder laid
 lib-exact (LLAMA_CPP_LIB_PATH=DIR; then only the --lib ones run unless --with-default).
 Libraries interleave per model and round, in reverse order every other round, so drift on a
 shared machine hits all alike. Prints one JSON line per run on stdout, then per model the
-median over rounds of each library's r(k) and the last library's against the first (+ dearer).
+median over rounds of each library's r(k) and the last library's against the first (+ dearer),
+then the same for the batches' own times t(k) = r(k) x t(1) (ms: what a verify batch costs when
+the one-token decodes differ too).
 A benchmark, not a test: run it on a quiet machine; it asserts nothing.
 """
 from __future__ import annotations
@@ -103,12 +105,17 @@ def main(argv=None) -> int:
             rs = runs[(name, lib)]
             med = {k: statistics.median(r["r"][str(k)] for r in rs) for k in ks[1:]}
             runs[(name, lib, "median")] = med
+            runs[(name, lib, "ms")] = {k: statistics.median(r["r"][str(k)] * r["t1_ms"] for r in rs)
+                                       for k in ks}
             t1 = statistics.median(r["t1_ms"] for r in rs)
             print(f"  {name:8} {lib:10} t1 {t1:6.1f} ms  " +
                   "  ".join(f"r({k}) {v:5.2f}" for k, v in med.items()))
         a_med, b_med = runs[(name, first, "median")], runs[(name, last, "median")]
         print(f"  {name:8} {last + '/' + first:21}  " +
               "  ".join(f"r({k}) {100 * (b_med[k] / a_med[k] - 1):+4.0f}%" for k in ks[1:]))
+        a_ms, b_ms = runs[(name, first, "ms")], runs[(name, last, "ms")]
+        print(f"  {name:8} {'ms, ' + last + '/' + first:21}  " +
+              "  ".join(f"t({k}) {100 * (b_ms[k] / a_ms[k] - 1):+4.0f}%" for k in ks))
     return 0
 
 
