@@ -66,6 +66,12 @@ def run_one(lib_env: dict, path: str, threads: int, reps: int, ks=KS) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _against(name: str, label: str, sym: str, a: dict, b: dict) -> str:
+    """One line of b's values against a's per k, in percent (+ dearer)."""
+    return f"  {name:8} {label:21}  " + "  ".join(
+        f"{sym}({k}) {100 * (b[k] / a[k] - 1):+4.0f}%" for k in a)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="+", metavar="NAME=GGUF")
@@ -101,21 +107,15 @@ def main(argv=None) -> int:
     first, last = list(libs)[0], list(libs)[-1]
     print(f"\nmedian r(k) over {a.rounds} rounds, {a.threads} threads; {last} against {first}:")
     for name in models:
+        med, ms = {}, {}       # per library: median r(k), and median t(k) = r(k) x t(1) in ms
         for lib in libs:
             rs = runs[(name, lib)]
-            med = {k: statistics.median(r["r"][str(k)] for r in rs) for k in ks[1:]}
-            runs[(name, lib, "median")] = med
-            runs[(name, lib, "ms")] = {k: statistics.median(r["r"][str(k)] * r["t1_ms"] for r in rs)
-                                       for k in ks}
-            t1 = statistics.median(r["t1_ms"] for r in rs)
-            print(f"  {name:8} {lib:10} t1 {t1:6.1f} ms  " +
-                  "  ".join(f"r({k}) {v:5.2f}" for k, v in med.items()))
-        a_med, b_med = runs[(name, first, "median")], runs[(name, last, "median")]
-        print(f"  {name:8} {last + '/' + first:21}  " +
-              "  ".join(f"r({k}) {100 * (b_med[k] / a_med[k] - 1):+4.0f}%" for k in ks[1:]))
-        a_ms, b_ms = runs[(name, first, "ms")], runs[(name, last, "ms")]
-        print(f"  {name:8} {'ms, ' + last + '/' + first:21}  " +
-              "  ".join(f"t({k}) {100 * (b_ms[k] / a_ms[k] - 1):+4.0f}%" for k in ks))
+            med[lib] = {k: statistics.median(r["r"][str(k)] for r in rs) for k in ks[1:]}
+            ms[lib] = {k: statistics.median(r["r"][str(k)] * r["t1_ms"] for r in rs) for k in ks}
+            print(f"  {name:8} {lib:10} t1 {ms[lib][1]:6.1f} ms  " +
+                  "  ".join(f"r({k}) {v:5.2f}" for k, v in med[lib].items()))
+        print(_against(name, f"{last}/{first}", "r", med[first], med[last]))
+        print(_against(name, f"ms, {last}/{first}", "t", ms[first], ms[last]))
     return 0
 
 
