@@ -119,7 +119,9 @@ def placement_options(f):
                           "llama.cpp's own speed (docs/exactness.md). With this flag a "
                           "missing library is one error line instead of a fallback to "
                           "llama.cpp's own kernels and the near-tie guard "
-                          "(LOCALSPEC_EXACT=0 chooses those). Env: LOCALSPEC_EXACT=1."),
+                          "(LOCALSPEC_EXACT=0 chooses those). Refused with layers on a GPU "
+                          "or RPC servers, whose batch rows differ from one-token decodes. "
+                          "Env: LOCALSPEC_EXACT=1."),
         click.option("--ctx", "n_ctx", type=click.IntRange(64, CTX_MAX), default=ENGINE.n_ctx,
                      show_default=True,
                      help="Context size in tokens (prompt + output); llama.cpp rounds it up "

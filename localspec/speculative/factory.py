@@ -78,6 +78,13 @@ def load_model(target: Union[str, os.PathLike], n_gpu_layers: int = 0,
     sure this process loaded the batch-invariant kernels (one error line if not). RPC
     servers are attached before the load (process-wide), and where the layers went is said,
     since RPC is otherwise silent."""
+    if exact and (n_gpu_layers or rpc):
+        where = "RPC servers" if rpc else "the GPU"
+        raise LocalspecError(
+            f"--exact promises speculative output bit for bit plain decoding's, which only the "
+            f"batch-invariant CPU kernels keep: with layers on {where} a verify batch's rows "
+            f"differ from one-token decodes (docs/gpu.md). Drop --exact (and LOCALSPEC_EXACT), "
+            f"or keep every layer on this CPU (--gpu-layers 0{', no --rpc' if rpc else ''}).")
     if exact:
         enable_exact_kernels()
     attach_rpc(rpc)
