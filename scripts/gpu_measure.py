@@ -60,8 +60,34 @@ def first_divergence(a, b):
     return d if d is not None or len(a) == len(b) else min(len(a), len(b))
 
 
-def identity(path: str, layers: int, n_tokens: int, threads) -> dict:
-    """Plain vs speculative greedy on PROMPTS, n-gram (adaptive) and scripted k=8 (all correct)."""
+def rows(path: str, layers: int, threads, n_max: int = 16, context: int = 200) -> dict:
+    """Whether each row of an n-token batch equals the same tokens decoded one at a time, for
+    n = 2..n_max after `context` tokens: per n, the rows bit-identical, the largest |logit|
+    difference and the rows whose argmax differs. Where rows part tells which kernels do."""
+    import numpy as np
+    with Model(path, ModelParams(n_gpu_layers=layers)) as model, \
+            Context(model, ContextParams(n_ctx=2048, n_threads=threads)) as ctx:
+        toks = model.tokenize(" ".join(PROMPTS) * 8)[:context + n_max]
+        ctx.decode(toks[:context], logits="none")
+        alone = []
+        for t in toks[context:]:
+            alone.append(np.array(ctx.decode([t])[0], dtype=np.float32))
+        out = {"model": Path(path).name, "context": context, "by_n": {}}
+        for n in range(2, n_max + 1):
+            ctx.truncate(context)
+            batch = np.array(ctx.decode(toks[context:context + n], logits="all"), dtype=np.float32)
+            ref = np.stack(alone[:n])
+            diff = np.abs(batch - ref).max(axis=1)
+            out["by_n"][n] = {"identical_rows": int((diff == 0).sum()),
+                              "max_abs_diff": float(f"{float(diff.max()):.3g}"),
+                              "argmax_flips": int((batch.argmax(1) != ref.argmax(1)).sum())}
+    return out
+
+
+def identity(path: str, layers: int, n_tokens: int, threads, scripted_ks=(8,)) -> dict:
+    """Plain vs speculative greedy on PROMPTS, n-gram (adaptive) and scripted drafts of each k in
+    `scripted_ks` (all correct: every row of every verify batch of k + 1 rows is used), so a
+    device's batch sizes can be told apart (on CUDA the kernels change at 5 and at 9 rows)."""
     cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, n_gpu_layers=layers,
                        cache_mb=0)      # no saved states: each run evaluates its prompt cold
     out = {"model": Path(path).name, "prompts": len(PROMPTS)}
@@ -73,12 +99,12 @@ def identity(path: str, layers: int, n_tokens: int, threads) -> dict:
             eng.reset()
             gen = eng.generate(prompt, max_tokens=n_tokens, speculate=False)
             refs.append(gen.complete_tokens())
-        for mode in ("ngram", "scripted-k8"):
+        for mode in ["ngram"] + [f"scripted-k{k}" for k in scripted_ks]:
             same, diverged, rechecks, drafted, accepted = 0, [], 0, 0, 0
             for prompt, ref in zip(PROMPTS, refs):
                 eng.proposer = ngram if mode == "ngram" else \
                     ScriptedProposer(ref, "accept", eng.model.n_vocab)
-                policy = None if mode == "ngram" else PolicyConfig(fixed_k=8)
+                policy = None if mode == "ngram" else PolicyConfig(fixed_k=int(mode[10:]))
                 eng.reset()
                 gen = eng.generate(prompt, max_tokens=n_tokens, policy=policy)
                 toks = gen.complete_tokens()
@@ -173,9 +199,12 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS),
                     help="identity on the first N of the suite's prompts")
     ap.add_argument("--what", default="curve,identity,draft",
-                    help="comma-separated: curve, identity, draft (draft cost needs --draft), "
-                         "parallel (the target only)")
+                    help="comma-separated: curve, identity, rows (each row of 2-16-token "
+                         "batches against one-token decodes), draft (draft cost needs "
+                         "--draft), parallel (the target only)")
     ap.add_argument("--slots", type=int, default=4, help="parallel: slots at once")
+    ap.add_argument("--scripted-ks", default="8",
+                    help="identity: the k of each scripted-draft run (comma-separated)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -201,10 +230,17 @@ def main(argv=None) -> None:
             print(f"{c['model']}: one-token decode {c['ms_per_step']:.2f} ms; r(k) "
                   + " ".join(f"{r:.2f}" for r in c["ratios"]), file=sys.stderr)
             print(f"  policy k at acceptance {ACCEPTANCE}: {c['policy_k']}", file=sys.stderr)
-        if "identity" in what:
-            res["identity"].append(i := identity(path, a.gpu_layers, a.tokens, a.threads))
+        if "rows" in what:
+            res.setdefault("rows", []).append(r := rows(path, a.gpu_layers, a.threads))
             save()
-            for mode in ("ngram", "scripted-k8"):
+            print(f"{r['model']}: rows identical to one-token decodes, by batch size: "
+                  + ", ".join(f"{n}: {v['identical_rows']}/{n} (max diff {v['max_abs_diff']})"
+                              for n, v in r["by_n"].items()), file=sys.stderr)
+        if "identity" in what:
+            ks = [int(k) for k in a.scripted_ks.split(",") if k]
+            res["identity"].append(i := identity(path, a.gpu_layers, a.tokens, a.threads, ks))
+            save()
+            for mode in ["ngram"] + [f"scripted-k{k}" for k in ks]:
                 m = i[mode]
                 print(f"{i['model']}: identity {mode}: {m['identical']}/{i['prompts']} identical, "
                       f"{m['accepted']}/{m['drafted']} accepted, {m['rechecks']} rechecks, gaps "

@@ -32,13 +32,18 @@ def headline(step: str, data) -> str:
             cases = ", ".join(f"{c} {r['status']}" for c, r in data.get("cases", {}).items())
             return f"{cases}. verdict: {data.get('verdict', '')}"
         if step == "identity":
-            return "; ".join(
-                f"{i['model']}: " + ", ".join(
-                    f"{mode} {i[mode]['identical']}/{i['prompts']} identical"
-                    + (f" (gaps {[d['top2_gap'] for d in i[mode]['diverged']]})"
-                       if i[mode]["diverged"] else "")
-                    for mode in ("ngram", "scripted-k8") if mode in i)
-                for i in data.get("identity", []))
+            parts = [f"{i['model']}: " + ", ".join(
+                         f"{mode} {i[mode]['identical']}/{i['prompts']} identical"
+                         + (f" (gaps {[d['top2_gap'] for d in i[mode]['diverged']]})"
+                            if i[mode]["diverged"] else "")
+                         for mode in i if mode == "ngram" or mode.startswith("scripted-k"))
+                     for i in data.get("identity", [])]
+            parts += [f"{r['model']}: batch rows equal to one-token decodes at n = "
+                      f"{[int(n) for n, v in r['by_n'].items() if v['identical_rows'] == int(n)]}"
+                      f" of 2-{max(int(n) for n in r['by_n'])} (largest difference "
+                      f"{max(v['max_abs_diff'] for v in r['by_n'].values())})"
+                      for r in data.get("rows", [])]
+            return "; ".join(parts)
         if step == "parallel":
             p = data["parallel"]
             return (f"{p['slots']} slots: {p['identical']}/{p['prompts']} identical to their lone"

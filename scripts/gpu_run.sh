@@ -31,7 +31,9 @@
 # Usage: scripts/gpu_run.sh [STEP ...]     (default: every step not done yet)
 # Env: OUT, RUN_BUDGET_S, GPU_LAYERS, IMAGE_PYTHON (python3), FORCE=1 (redo done steps),
 #      <STEP>_TIMEOUT (SETUP_TIMEOUT, ...), DIAG_CASES, DIAG_CASE_TIMEOUT (40), TOKENS (32),
-#      IDENTITY_PROMPTS (20), PARALLEL_TOKENS (64), K_MAX (16), KS (0,4,8,16), OVERHEAD_TOKENS (64),
+#      IDENTITY_PROMPTS (20), IDENTITY_KS (8: the scripted drafts' k, comma-separated),
+#      IDENTITY_WHAT (identity; rows,identity: also each batch row against one-token decodes),
+#      PARALLEL_TOKENS (64), K_MAX (16), KS (0,4,8,16), OVERHEAD_TOKENS (64),
 #      BENCH_ARGS ("-n 64"), TESTS_ARGS, THREADS (identity, curve, overhead; default: all cores),
 #      GPU_LEAN_BUILD=1 (no flash-attention kernels: a shorter CUDA build)
 set -uo pipefail
@@ -176,9 +178,10 @@ step_identity() {
   local models=() m
   m=$(shape_model smollm2-135m) && models+=("$m")
   models+=("$(tiny_model)")
-  "$VPY" scripts/gpu_measure.py --what identity --target "${models[0]}" --also "${models[@]:1}" \
+  "$VPY" scripts/gpu_measure.py --what "${IDENTITY_WHAT:-identity}" --target "${models[0]}" \
+    --also "${models[@]:1}" \
     --gpu-layers "$(layers)" --tokens "${TOKENS:-32}" --prompts "${IDENTITY_PROMPTS:-20}" \
-    ${THREADS:+--threads "$THREADS"} --json "$OUT/identity.json"
+    --scripted-ks "${IDENTITY_KS:-8}" ${THREADS:+--threads "$THREADS"} --json "$OUT/identity.json"
 }
 
 step_parallel() {
