@@ -87,7 +87,7 @@ def rows(path: str, layers: int, threads, n_max: int = 16, context: int = 200) -
 def identity(path: str, layers: int, n_tokens: int, threads, scripted_ks=(8,)) -> dict:
     """Plain vs speculative greedy on PROMPTS, n-gram (adaptive) and scripted drafts of each k in
     `scripted_ks` (all correct: every row of every verify batch of k + 1 rows is used), so a
-    device's batch sizes can be told apart (on CUDA the kernels change at 5 and at 9 rows)."""
+    device's batch sizes can be told apart."""
     cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, n_gpu_layers=layers,
                        cache_mb=0)      # no saved states: each run evaluates its prompt cold
     out = {"model": Path(path).name, "prompts": len(PROMPTS)}

@@ -89,6 +89,22 @@ def test_gpu_measure_curve_and_identity_on_the_tiny_model(tiny_path):
     assert ident["scripted-k8"]["drafted"] > 0
 
 
+def test_gpu_measure_rows_and_scripted_lengths_on_the_tiny_model(tiny_path):
+    """The row check finds every row of 2-16-token batches equal to one-token decodes on the
+    CPU's default (batch-invariant) kernels, which is what it asks of a device; identity runs
+    the scripted draft lengths it is given."""
+    gm = load("gpu_measure")
+    r = gm.rows(str(tiny_path), layers=0, threads=1)
+    assert sorted(r["by_n"]) == list(range(2, 17))
+    from localspec.llama import batch_invariant_rows
+    if batch_invariant_rows():                # the patched ggml-cpu (install.sh's default)
+        assert all(v["identical_rows"] == n and v["max_abs_diff"] == 0.0
+                   for n, v in r["by_n"].items())
+    ident = gm.identity(str(tiny_path), layers=0, n_tokens=6, threads=1, scripted_ks=(1, 3))
+    assert {"ngram", "scripted-k1", "scripted-k3"} <= set(ident) and "scripted-k8" not in ident
+    assert ident["scripted-k3"]["drafted"] > ident["scripted-k1"]["drafted"] > 0
+
+
 def test_tiled_crossover_times_both_settings_in_their_own_processes(tiny_path, capsys):
     tc = load("tiled_crossover")
     tc.main(["--model", str(tiny_path), "--threads", "1", "--pairs", "1", "--reps", "1",
