@@ -108,10 +108,33 @@ def test_random_concurrent_requests_give_their_lone_text(smollm, case):
     requests = random_requests(rng, n_slots + rng.randrange(0, 3))
     alone = run_alone(smollm, requests)
     with Slots(smollm, config(n_slots), n_slots) as slots:
+        slots.prepare()           # as serve and summarize do: the curve before requests arrive
         together = run_together(slots, requests)
         assert slots.shared.ticks > 0
     for i, (a, t) in enumerate(zip(alone, together)):
         assert t == a, f"request {i} ({requests[i]['sampling']}) differs beside others"
+
+
+@needs_invariant
+def test_slots_that_start_before_the_curve_is_measured_measure_it_once_safely(
+        smollm, tmp_path, monkeypatch):
+    """No prepare() and no cached curve: the first speculative request measures it on its slot
+    (held busy, so other slots' ticks never pad rows into it) while the others wait or decode
+    plainly, and every text is its lone one. The race this guards against (padding rows into a
+    slot that was measuring: "inconsistent sequence positions") showed in 1 of 3 runs of a
+    4-slot script and once in a loaded full-suite run; this test did not catch it reliably."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(os.environ["LOCALSPEC_HOME"] + "/models",
+                                 target_is_directory=True)
+    monkeypatch.setenv("LOCALSPEC_HOME", str(home))           # no cached calibration
+    monkeypatch.setenv("LOCALSPEC_CALIBRATION_S", "1.5")
+    requests = [{"prompt": PROMPTS[i % len(PROMPTS)], "sampling": SamplingParams(),
+                 "max_tokens": 24, "speculate": i % 3 != 0, "delay": 0.0} for i in range(12)]
+    with Slots(smollm, config(4), 4) as slots:         # first: it measures the curve
+        together = run_together(slots, requests)
+        assert slots.engines[0].drafting.cost is not None
+    assert together == run_alone(smollm, requests)
 
 
 @needs_invariant

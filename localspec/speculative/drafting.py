@@ -6,6 +6,7 @@ that cannot pay on this device is dropped here, once, when the curve is first kn
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional
 
 from ..llama import Context
@@ -27,6 +28,7 @@ class Drafting:
         self.config, self._progress = config, progress
         self.cost: Optional[CostModel] = None   # learns this machine across requests
         self._draft_cost = 0.0
+        self._measuring = threading.Lock()      # slots sharing this object measure once
 
     def policy(self, ctx: Context, proposer: Proposer, override: Optional[PolicyConfig] = None
                ) -> tuple:
@@ -37,14 +39,19 @@ class Drafting:
             flat = [1.0] * (config.k_max + 1)
             return AdaptivePolicy(CostModel(flat, config=CostConfig(online=False)), config,
                                   DraftPolicy(flat, config)), proposer
-        if self.cost is None:
-            curve = load_or_measure(ctx, self.config.n_gpu_layers, self.config.policy.k_max,
-                                    progress=self._progress, budget_s=first_run_budget())
-            st = curve.notes.get("stability")     # a rough or unfinished curve: trust the steps
-            rough = (st is not None and st.noisy) or not curve.notes.get("complete", True)
-            self.cost = CostModel(curve.ratios, curve.ms_per_step,
-                                  CostConfig(online=self.config.refit_cost), noisy=rough)
-            self._draft_cost = proposer.draft_cost(curve, self._progress)
+        # --parallel's slots share this object: one measures while the others wait, and on a
+        # slot held busy, so that other slots' ticks never pad rows into it meanwhile.
+        with self._measuring:
+            if self.cost is None:
+                with ctx.hold():
+                    curve = load_or_measure(ctx, self.config.n_gpu_layers,
+                                            self.config.policy.k_max, progress=self._progress,
+                                            budget_s=first_run_budget())
+                st = curve.notes.get("stability")    # rough or unfinished: trust the steps
+                rough = (st is not None and st.noisy) or not curve.notes.get("complete", True)
+                self.cost = CostModel(curve.ratios, curve.ms_per_step,
+                                      CostConfig(online=self.config.refit_cost), noisy=rough)
+                self._draft_cost = proposer.draft_cost(curve, self._progress)
         rules = DraftPolicy(self.cost.prior.tolist(), config, self._draft_cost)
         proposer = fit_to_device(proposer, rules)
         if proposer is None:
