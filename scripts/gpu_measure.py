@@ -84,6 +84,11 @@ def rows(path: str, layers: int, threads, n_max: int = 16, context: int = 200) -
     return out
 
 
+def identity_modes(scripted_ks) -> list:
+    """[(mode name, scripted k or None for n-gram drafting)] of an identity run."""
+    return [("ngram", None)] + [(f"scripted-k{k}", k) for k in scripted_ks]
+
+
 def identity(path: str, layers: int, n_tokens: int, threads, scripted_ks=(8,)) -> dict:
     """Plain vs speculative greedy on PROMPTS, n-gram (adaptive) and scripted drafts of each k in
     `scripted_ks` (all correct: every row of every verify batch of k + 1 rows is used), so a
@@ -99,12 +104,12 @@ def identity(path: str, layers: int, n_tokens: int, threads, scripted_ks=(8,)) -
             eng.reset()
             gen = eng.generate(prompt, max_tokens=n_tokens, speculate=False)
             refs.append(gen.complete_tokens())
-        for mode in ["ngram"] + [f"scripted-k{k}" for k in scripted_ks]:
+        for mode, k in identity_modes(scripted_ks):
             same, diverged, rechecks, drafted, accepted = 0, [], 0, 0, 0
             for prompt, ref in zip(PROMPTS, refs):
-                eng.proposer = ngram if mode == "ngram" else \
+                eng.proposer = ngram if k is None else \
                     ScriptedProposer(ref, "accept", eng.model.n_vocab)
-                policy = None if mode == "ngram" else PolicyConfig(fixed_k=int(mode[10:]))
+                policy = None if k is None else PolicyConfig(fixed_k=k)
                 eng.reset()
                 gen = eng.generate(prompt, max_tokens=n_tokens, policy=policy)
                 toks = gen.complete_tokens()
@@ -240,7 +245,7 @@ def main(argv=None) -> None:
             ks = [int(k) for k in a.scripted_ks.split(",") if k]
             res["identity"].append(i := identity(path, a.gpu_layers, a.tokens, a.threads, ks))
             save()
-            for mode in ["ngram"] + [f"scripted-k{k}" for k in ks]:
+            for mode, _ in identity_modes(ks):
                 m = i[mode]
                 print(f"{i['model']}: identity {mode}: {m['identical']}/{i['prompts']} identical, "
                       f"{m['accepted']}/{m['drafted']} accepted, {m['rechecks']} rechecks, gaps "

@@ -39,19 +39,9 @@ class Drafting:
             flat = [1.0] * (config.k_max + 1)
             return AdaptivePolicy(CostModel(flat, config=CostConfig(online=False)), config,
                                   DraftPolicy(flat, config)), proposer
-        # --parallel's slots share this object: one measures while the others wait, and on a
-        # slot held busy, so that other slots' ticks never pad rows into it meanwhile.
-        with self._measuring:
+        with self._measuring:            # --parallel's slots share this object: one measures
             if self.cost is None:
-                with ctx.hold():
-                    curve = load_or_measure(ctx, self.config.n_gpu_layers,
-                                            self.config.policy.k_max, progress=self._progress,
-                                            budget_s=first_run_budget())
-                st = curve.notes.get("stability")    # rough or unfinished: trust the steps
-                rough = (st is not None and st.noisy) or not curve.notes.get("complete", True)
-                self.cost = CostModel(curve.ratios, curve.ms_per_step,
-                                      CostConfig(online=self.config.refit_cost), noisy=rough)
-                self._draft_cost = proposer.draft_cost(curve, self._progress)
+                self._measure(ctx, proposer)
         rules = DraftPolicy(self.cost.prior.tolist(), config, self._draft_cost)
         proposer = fit_to_device(proposer, rules)
         if proposer is None:
@@ -59,3 +49,15 @@ class Drafting:
         if not proposer.uses_draft_model:
             self._draft_cost = 0.0
         return AdaptivePolicy(self.cost, config, rules), proposer
+
+    def _measure(self, ctx: Context, proposer: Proposer) -> None:
+        """The cost curve (cached, or timed now) and what the proposer's drafting costs. The
+        slot measuring is held busy, so that other slots' ticks never pad rows into it."""
+        with ctx.hold():
+            curve = load_or_measure(ctx, self.config.n_gpu_layers, self.config.policy.k_max,
+                                    progress=self._progress, budget_s=first_run_budget())
+        st = curve.notes.get("stability")     # a rough or unfinished curve: trust the steps
+        rough = (st is not None and st.noisy) or not curve.notes.get("complete", True)
+        self.cost = CostModel(curve.ratios, curve.ms_per_step,
+                              CostConfig(online=self.config.refit_cost), noisy=rough)
+        self._draft_cost = proposer.draft_cost(curve, self._progress)
