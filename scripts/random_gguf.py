@@ -33,7 +33,8 @@ from gguf import GGUFValueType as VT
 SPEC = "localspec.speculative."
 SKIP_KEYS = ("GGUF.", "general.architecture", SPEC)   # header pseudo-keys, writer-owned, ours
 UNQUANTIZED = {QT.F32: np.float32, QT.F16: np.float16}
-FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9,
+FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10,
+          "q3_k_s": 11, "q3_k_m": 12,
           "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18}
 
 # Weight scales, as in tests/tinymodel.py: each block adds about as much to the residual stream as

@@ -13,8 +13,9 @@ where 576 columns are no multiple of 256 (tinyBLAS upstream, patch 0010's tiles)
 attn_v and the embedding. Q5_0 (patch 0010), BF16 and F32 (patch 0011) are every matrix in that
 type; IQ4_NL is 207 IQ4_NL matrices (repacked 8x8 on x86: patch 0012's many-row gemv), 3 Q5_K
 and a Q8_0 embedding/output. Q6_K gives 30 Q6_K ffn_down matrices (1536 columns, the only ones
-a multiple of 256: patch 0020's tiles) and Q8_0 for the rest. Made once per test session in a
-temporary folder (about 140, 90, 260, 100, 100, 260, 520, 90 and 140 MB; 10-60 s each).
+a multiple of 256: patch 0020's tiles) and Q8_0 for the rest; Q3_K_S 30 Q3_K ffn_down matrices
+(patch 0027's tiles) and repacked Q4_0 for the rest. Made once per test session in a temporary
+folder (about 140, 90, 260, 100, 100, 260, 520, 90, 140 and 90 MB; 10-60 s each).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPES = ("q8_0", "q4_0", "f16", "q4_k_m", "q5_0", "bf16", "f32", "iq4_nl", "q6_k")
+TYPES = ("q8_0", "q4_0", "f16", "q4_k_m", "q5_0", "bf16", "f32", "iq4_nl", "q6_k", "q3_k_s")
 # llama.cpp file types random_gguf.py has no name for (llama_ftype: LLAMA_FTYPE_MOSTLY_BF16, _IQ4_NL)
 EXTRA_FTYPES = {"bf16": 32, "iq4_nl": 25}
 
