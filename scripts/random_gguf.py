@@ -178,7 +178,10 @@ def write_unquantized(spec: tuple, out: str, seed: int, logit_scale: float,
 
 
 def make(spec_path: str, out: str, ftype: int | None, seed: int, logit_scale: float,
-         threads: int, workdir: str | None) -> None:
+         threads: int, workdir: str | None, pins: dict | None = None) -> None:
+    """Random weights of the spec's shape, quantized to llama_ftype `ftype` (None: the source's
+    own, with its exact per-tensor types); `pins` {tensor name: ggml type id} overrides the
+    ftype's mixture rules for those tensors."""
     from localspec.llama import quantize
 
     spec = read_spec(spec_path)
@@ -198,7 +201,8 @@ def make(spec_path: str, out: str, ftype: int | None, seed: int, logit_scale: fl
         print(f"random tensors written ({os.path.getsize(raw) / 2**20:.0f} MiB, "
               f"{time.perf_counter() - t:.0f} s); quantizing...", file=sys.stderr)
         t = time.perf_counter()
-        quantize(raw, out, ftype, {n: types[n] for n, _, _ in pinned} if pinned else None, threads)
+        exact = {n: types[n] for n, _, _ in pinned} if pinned else {}
+        quantize(raw, out, ftype, {**exact, **(pins or {})} or None, threads)
         print(f"quantized in {time.perf_counter() - t:.0f} s", file=sys.stderr)
 
 

@@ -14,8 +14,10 @@ attn_v and the embedding. Q5_0 (patch 0010), BF16 and F32 (patch 0011) are every
 type; IQ4_NL is 207 IQ4_NL matrices (repacked 8x8 on x86: patch 0012's many-row gemv), 3 Q5_K
 and a Q8_0 embedding/output. Q6_K gives 30 Q6_K ffn_down matrices (1536 columns, the only ones
 a multiple of 256: patch 0020's tiles) and Q8_0 for the rest; Q3_K_S 30 Q3_K ffn_down matrices
-(patch 0027's tiles) and repacked Q4_0 for the rest. Made once per test session in a temporary
-folder (about 140, 90, 260, 100, 100, 260, 520, 90, 140 and 90 MB; 10-60 s each).
+(patch 0027's tiles) and repacked Q4_0 for the rest; Q2_K 30 Q2_K ffn_down matrices (pinned:
+repacked 8x8 on x86, patch 0028's many-row gemv) and Q4_0 (repacked) for the rest. Made once per
+test session in a temporary folder (about 140, 90, 260, 100, 100, 260, 520, 90, 140, 90 and 90
+MB; 10-60 s each).
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPES = ("q8_0", "q4_0", "f16", "q4_k_m", "q5_0", "bf16", "f32", "iq4_nl", "q6_k", "q3_k_s")
+TYPES = ("q8_0", "q4_0", "f16", "q4_k_m", "q5_0", "bf16", "f32", "iq4_nl", "q6_k", "q3_k_s", "q2_k")
 # llama.cpp file types random_gguf.py has no name for (llama_ftype: LLAMA_FTYPE_MOSTLY_BF16, _IQ4_NL)
 EXTRA_FTYPES = {"bf16": 32, "iq4_nl": 25}
+# Tensors pinned to a type per kernel model, by name suffix: llama.cpp's Q2_K mixture gives
+# SmolLM2's only matrices a multiple of 256 wide (ffn_down) Q3_K, so they are pinned to Q2_K
+# (ggml type 10), the type that mixture gives most matrices of larger models.
+PINS = {"q2_k": ("ffn_down.weight", 10)}
 
 _made: dict = {}
 
@@ -49,7 +55,12 @@ def random_smollm(source: str, folder: Path, wtype: str) -> Path:
             rg.write_spec(source, str(spec))
         out = folder / f"smollm2-135m-random-{wtype}.gguf"
         if not out.exists():
+            pins = None
+            if wtype in PINS:
+                suffix, ggml_type = PINS[wtype]
+                pins = {name: ggml_type for name, _, _ in rg.read_spec(str(spec))[2]
+                        if name.endswith(suffix)}
             rg.make(str(spec), str(out), {**rg.FTYPES, **EXTRA_FTYPES}[wtype], seed=0, logit_scale=rg.LOGIT_SCALE,
-                    threads=2, workdir=None)
+                    threads=2, workdir=None, pins=pins)
         _made[key] = out
     return _made[key]

@@ -113,8 +113,9 @@ def test_every_row_of_a_verify_batch_equals_one_token_decodes_per_weight_type(
     4-row gemm from 4 rows), F16 weights through patch 0006's tiles, Q4_K_M's repacked Q4_K
     through patch 0003's gemm, its Q6_K through vec_dot and its Q5_0 through patch 0010's tiles,
     Q5_0 weights through those tiles, BF16 and F32 weights through patch 0011's (tinyBLAS
-    upstream), repacked IQ4_NL through patch 0012's many-row gemv, Q6_K and Q3_K through patches
-    0020 and 0027's tiles (the tiled K-quant matmul upstream from 8 rows): every row of 2..17-row
+    upstream), repacked IQ4_NL and Q2_K through patches 0012 and 0028's many-row gemvs (the 4-row
+    gemm upstream), Q6_K and Q3_K through patches 0020 and 0027's tiles (the tiled K-quant matmul
+    upstream from 8 rows): every row of 2..17-row
     batches is a one-token decode's bit for bit, after a short and a long context, on every core
     and on one."""
     assert every_row_mismatch(random_smollm_path, n_prompt, threads=os.cpu_count() or 1) == []

@@ -140,14 +140,14 @@ def random_models(smollm_path, tmp_path_factory):
 
 @needs_exact_libs
 @pytest.mark.parametrize("model", ["tiny_path", "smollm_path", "q8_0", "q4_0", "f16", "q5_0",
-                                   "bf16", "f32", "iq4_nl", "q6_k", "q3_k_s"])
+                                   "bf16", "f32", "iq4_nl", "q6_k", "q3_k_s", "q2_k"])
 def test_one_token_decoding_is_llama_cpps_own_bit_for_bit(model, request):
     """The patches change how batches of 2-31 rows are computed, not what one row computes: a
     one-token decode on the batch-invariant library gives llama.cpp's own logits bit for bit,
     patch 0006's shared-conversion F16 attention and F16 weights, patch 0007's Q8_0 tiles, patch
     0008's many-row Q4_0 gemv, patch 0010's Q5_0 tiles, patch 0011's F32 (the tiny model) and
-    BF16 tiles, patch 0012's IQ4_NL gemv and patches 0020 and 0027's Q6_K and Q3_K tiles included
-    (they serve one-token decodes too). These models' prefill is also the
+    BF16 tiles, patch 0012's IQ4_NL gemv, patches 0020 and 0027's Q6_K and Q3_K tiles and patch
+    0028's Q2_K gemv included (they serve one-token decodes too, or leave them alone). These models' prefill is also the
     same computation in both; the default model's is not quite (patch 0003 rounds the repacked
     Q4_K gemm once per block), docs/exactness.md."""
     path = (request.getfixturevalue(model) if model.endswith("_path")
