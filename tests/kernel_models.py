@@ -15,9 +15,10 @@ type; IQ4_NL is 207 IQ4_NL matrices (repacked 8x8 on x86: patch 0012's many-row 
 and a Q8_0 embedding/output. Q6_K gives 30 Q6_K ffn_down matrices (1536 columns, the only ones
 a multiple of 256: patch 0020's tiles) and Q8_0 for the rest; Q3_K_S 30 Q3_K ffn_down matrices
 (patch 0027's tiles) and repacked Q4_0 for the rest; Q2_K 30 Q2_K ffn_down matrices (pinned:
-repacked 8x8 on x86, patch 0028's many-row gemv) and Q4_0 (repacked) for the rest. Made once per
-test session in a temporary folder (about 140, 90, 260, 100, 100, 260, 520, 90, 140, 90 and 90
-MB; 10-60 s each).
+repacked 8x8 on x86 with AVX-512, patch 0028's many-row gemv) and Q4_0 (repacked) for the rest;
+MXFP4 210 MXFP4 matrices (pinned: repacked 8x8, patch 0012's many-row gemv) and a Q8_0
+embedding/output. Made once per test session in a temporary folder (about 140, 90, 260, 100,
+100, 260, 520, 90, 140, 90, 90 and 90 MB; 10-60 s each).
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPES = ("q8_0", "q4_0", "f16", "q4_k_m", "q5_0", "bf16", "f32", "iq4_nl", "q6_k", "q3_k_s", "q2_k")
-# llama.cpp file types random_gguf.py has no name for (llama_ftype: LLAMA_FTYPE_MOSTLY_BF16, _IQ4_NL)
-EXTRA_FTYPES = {"bf16": 32, "iq4_nl": 25}
-# Tensors pinned to a type per kernel model, by name suffix: llama.cpp's Q2_K mixture gives
-# SmolLM2's only matrices a multiple of 256 wide (ffn_down) Q3_K, so they are pinned to Q2_K
-# (ggml type 10), the type that mixture gives most matrices of larger models.
-PINS = {"q2_k": ("ffn_down.weight", 10)}
+TYPES = ("q8_0", "q4_0", "f16", "q4_k_m", "q5_0", "bf16", "f32", "iq4_nl", "q6_k", "q3_k_s", "q2_k",
+         "mxfp4")
+# llama.cpp file types random_gguf.py has no name for (llama_ftype: LLAMA_FTYPE_MOSTLY_BF16, _IQ4_NL;
+# MXFP4 has a file type for MoE experts only, so a Q4_0 file with its matrices pinned, below)
+EXTRA_FTYPES = {"bf16": 32, "iq4_nl": 25, "mxfp4": 2}
+# Tensors pinned to a ggml type per kernel model, (name, shape) -> pinned: llama.cpp's Q2_K mixture
+# gives SmolLM2's only matrices a multiple of 256 wide (ffn_down) Q3_K, so they are pinned to Q2_K
+# (type 10), the type that mixture gives most matrices of larger models; MXFP4 (type 39) pins
+# every layer matrix.
+PINS = {"q2_k": (lambda name, shape: name.endswith("ffn_down.weight"), 10),
+        "mxfp4": (lambda name, shape: name.startswith("blk.") and len(shape) == 2, 39)}
 
 _made: dict = {}
 
@@ -57,9 +62,9 @@ def random_smollm(source: str, folder: Path, wtype: str) -> Path:
         if not out.exists():
             pins = None
             if wtype in PINS:
-                suffix, ggml_type = PINS[wtype]
-                pins = {name: ggml_type for name, _, _ in rg.read_spec(str(spec))[2]
-                        if name.endswith(suffix)}
+                pinned, ggml_type = PINS[wtype]
+                pins = {name: ggml_type for name, _, shape in rg.read_spec(str(spec))[2]
+                        if pinned(name, shape)}
             rg.make(str(spec), str(out), {**rg.FTYPES, **EXTRA_FTYPES}[wtype], seed=0, logit_scale=rg.LOGIT_SCALE,
                     threads=2, workdir=None, pins=pins)
         _made[key] = out

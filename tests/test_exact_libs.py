@@ -140,7 +140,7 @@ def random_models(smollm_path, tmp_path_factory):
 
 @needs_exact_libs
 @pytest.mark.parametrize("model", ["tiny_path", "smollm_path", "q8_0", "q4_0", "f16", "q5_0",
-                                   "bf16", "f32", "iq4_nl", "q6_k", "q3_k_s", "q2_k"])
+                                   "bf16", "f32", "iq4_nl", "mxfp4", "q6_k", "q3_k_s", "q2_k"])
 def test_one_token_decoding_is_llama_cpps_own_bit_for_bit(model, request):
     """The patches change how batches of 2-31 rows are computed, not what one row computes: a
     one-token decode on the batch-invariant library gives llama.cpp's own logits bit for bit,
