@@ -44,3 +44,19 @@ def test_gpu_backend_names_the_backend_of_a_real_wheel_layout(tmp_path):
     (lib / "libggml-vulkan.so.0").symlink_to("libggml-vulkan.so")
     assert libs.gpu_backend(lib) == "libggml-vulkan"
     assert libs.gpu_backend(tmp_path / "missing") == ""
+
+
+def test_the_cpu_library_stamp_follows_the_library_this_process_loads(tmp_path, monkeypatch):
+    """The verify cost curve is cached per ggml-cpu build (policy/calibrate.curve_key): another
+    patch set changes kernels without changing llama.cpp's feature line (2026-11-27: a curve
+    measured before patch 0029 was still believed after it)."""
+    own = _wheel(tmp_path / "llama_cpp" / "lib")
+    exact = _wheel(tmp_path / "llama_cpp" / libs.EXACT_DIR)
+    (exact / "libggml-cpu.so").write_bytes(b"patched")
+    monkeypatch.setattr(libs, "package_lib_dir", lambda: own)
+    assert libs.cpu_lib_stamp({}) == "libggml-cpu.so:0:" + str(int((own / "libggml-cpu.so").stat().st_mtime))
+    before = libs.cpu_lib_stamp({"LLAMA_CPP_LIB_PATH": str(exact)})
+    assert before.startswith("libggml-cpu.so:7:")
+    (exact / "libggml-cpu.so").write_bytes(b"patched again")      # a rebuild
+    assert libs.cpu_lib_stamp({"LLAMA_CPP_LIB_PATH": str(exact)}) != before
+    assert libs.cpu_lib_stamp({"LLAMA_CPP_LIB_PATH": str(tmp_path / "nowhere")}) == ""

@@ -51,6 +51,22 @@ def package_lib_dir() -> Optional[Path]:
     return Path(list(spec.submodule_search_locations)[0]) / "lib"
 
 
+def cpu_lib_stamp(environ=os.environ) -> str:
+    """Which ggml-cpu this process loads (the folder choose() pointed it at, else the package's):
+    its file name, size and modification time, so that what was measured with one build (the
+    verify cost curve) is not believed of another: a patch changes a kernel, not the feature line."""
+    folder = Path(environ["LLAMA_CPP_LIB_PATH"]) if environ.get("LLAMA_CPP_LIB_PATH") \
+        else package_lib_dir()
+    if folder is None or not folder.is_dir():
+        return ""
+    lib = next((p for p in sorted(folder.iterdir()) if p.name.startswith(("libggml-cpu.", "ggml-cpu."))
+                and not p.is_symlink()), None)
+    if lib is None:
+        return ""
+    st = lib.stat()
+    return f"{lib.name}:{st.st_size}:{int(st.st_mtime)}"
+
+
 def _llama_lib(folder: Path) -> Optional[Path]:
     return next((p for p in sorted(folder.iterdir()) if p.name.startswith(("libllama.", "llama."))
                  and not p.is_symlink()), None) if folder.is_dir() else None

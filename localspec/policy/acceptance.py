@@ -191,7 +191,7 @@ class AcceptanceConfig:
                                   # steps chased noise in the replay: 0.08 lost 1-2%)
     offset_limit: float = 3.0     # |offset| cap, in logits
     p_floor: float = 0.001
-    p_ceil: float = 0.995         # nothing is certain: a copied run ends somewhere
+    p_ceil: float = 0.998         # nothing is certain: a copied run ends somewhere
     store_weights: tuple = STORE_WEIGHTS  # corrections of draft-store positions (above)
 
 

@@ -21,6 +21,7 @@ from ..files import cache_dir, env_number, jsonsafe
 from ..files.atomic import atomic_write, set_aside, warn
 from ..llama import Context, system_info, tiled_matmul_off
 from .draft_estimate import CostCurve
+from ..llama.libs import cpu_lib_stamp
 from ..llama.rpc import attached as rpc_attached
 
 CALIBRATION_VERSION = 3       # 3: per-round stability is cached (older curves had none)
@@ -80,7 +81,7 @@ def curve_key(ctx: Context, n_gpu_layers: int, k_max: int) -> str:
     st = ctx.model.path.stat()
     ident = [CALIBRATION_VERSION, str(ctx.model.path.resolve()), st.st_size, int(st.st_mtime),
              ctx.n_threads, n_gpu_layers, k_max, system_info(), ctx.model.repacked,
-             tiled_matmul_off()]
+             tiled_matmul_off(), cpu_lib_stamp()]
     if n_gpu_layers and rpc_attached():    # layers on other hosts: another device entirely
         ident.append(list(rpc_attached()))
     if ctx.model.placement:   # offloaded: which device and how many layers ("3/3 layers on

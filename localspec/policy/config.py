@@ -48,6 +48,10 @@ class PolicyConfig:
     loss_budget: float = 0.4          # plain steps a draft may risk per token of the longest
                                       # copied run the request has shown (+1): deep drafts on
                                       # steep CPUs wait for evidence that the text copies
+    loss_budget_long: float = 1.0     # the same while the current run of right guesses is at
+    long_run: int = 16                # least long_run: a copy in progress ramps up to 32-64
+                                      # drafts in fewer steps (llama.cpp's ngram-simple drafts
+                                      # 48 after a 12-token match; docs/policy.md, issue 45)
     store_evidence: int = 2           # a draft-store offer whose first tokens followed this
                                       # context at least this often before counts them as a
                                       # run of right guesses the request has shown (the loss
