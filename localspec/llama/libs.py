@@ -57,19 +57,21 @@ def cpu_lib_stamp(environ=os.environ) -> str:
     verify cost curve) is not believed of another: a patch changes a kernel, not the feature line."""
     folder = Path(environ["LLAMA_CPP_LIB_PATH"]) if environ.get("LLAMA_CPP_LIB_PATH") \
         else package_lib_dir()
-    if folder is None or not folder.is_dir():
-        return ""
-    lib = next((p for p in sorted(folder.iterdir()) if p.name.startswith(("libggml-cpu.", "ggml-cpu."))
-                and not p.is_symlink()), None)
+    lib = _lib_file(folder, "ggml-cpu") if folder is not None else None
     if lib is None:
         return ""
     st = lib.stat()
     return f"{lib.name}:{st.st_size}:{int(st.st_mtime)}"
 
 
-def _llama_lib(folder: Path) -> Optional[Path]:
-    return next((p for p in sorted(folder.iterdir()) if p.name.startswith(("libllama.", "llama."))
+def _lib_file(folder: Path, name: str) -> Optional[Path]:
+    """The library `name` in `folder` (libNAME.so.x.y.z, NAME.dll...: the file, not a link)."""
+    return next((p for p in sorted(folder.iterdir()) if p.name.startswith((f"lib{name}.", f"{name}."))
                  and not p.is_symlink()), None) if folder.is_dir() else None
+
+
+def _llama_lib(folder: Path) -> Optional[Path]:
+    return _lib_file(folder, "llama")
 
 
 def exact_lib_status(environ=os.environ) -> tuple:
