@@ -447,6 +447,28 @@ def test_a_first_run_times_batches_in_slices_that_later_runs_finish(tmp_path, mo
     assert asked == []                                   # final: cached, nothing timed
 
 
+def test_a_sliced_curve_uses_the_sparse_sizes_past_the_dense_ones(tmp_path, monkeypatch):
+    """Past DENSE_K only SPARSE_K are timed: the curve a sliced calibration finishes must run
+    through them (straight lines between), as measure()'s does, not extrapolate r(16)'s slope
+    (seen on an AMD Zen 4: r(48) believed 21 where it was 17.6, so the policy drafted 15-21
+    where 47 paid)."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+
+    def ms(rows):                                        # flatter past 16 drafts
+        return 10.0 * (rows if rows <= 17 else 17 + 0.5 * (rows - 17))
+
+    monkeypatch.setattr(calibrate, "time_batches",
+                        lambda ctx, sizes, reps, budget_s=None: [[ms(n) / 1000 for n in sizes]])
+    curve = None
+    for _ in range(calibrate.FULL_ROUNDS):
+        curve = calibrate.load_or_measure(fake_ctx(tmp_path), k_max=40, budget_s=60)
+    assert curve.notes["complete"]
+    assert calibrate.timed_ks(40)[-3:] == [28, 31, 40]
+    for k in (16, 20, 28, 31, 40):
+        assert curve.ratios[k] == pytest.approx(ms(k + 1) / ms(1))
+    assert curve.ratios[30] == pytest.approx(ms(31) / ms(1))   # on the line from 28 to 31
+
+
 class SlowDevice:
     """A context on a fake clock: a decode of n rows takes `one` x (1 + 0.5 (n - 1)) seconds (a
     prefix without logits `one`), and the first decode of a shape `compile_s` more (a software

@@ -24,7 +24,8 @@ from .draft_estimate import CostCurve
 from ..llama.libs import cpu_lib_stamp
 from ..llama.rpc import attached as rpc_attached
 
-CALIBRATION_VERSION = 3       # 3: per-round stability is cached (older curves had none)
+CALIBRATION_VERSION = 4       # 3: per-round stability is cached (older curves had none);
+                              # 4: the 16-row tile edges timed, sliced curves use sparse k
 REMEASURE_NOISY = 2      # loads that re-measure a curve cached as noisy, at most
 BUDGET_ENV = "LOCALSPEC_CALIBRATION_S"
 FIRST_RUN_BUDGET_S = 3.0  # a run without a finished curve times batches this long, then answers
@@ -32,16 +33,18 @@ FULL_ROUNDS = 3           # whole rounds, gathered over the slices of several ru
 MAX_ROUNDS = 8            # rounds kept in the cache file (the newest)
 UNKNOWN_SLOPE = 0.3       # r(k) = 1 + 0.3 k where no batch was timed yet: a middling CPU's
 DENSE_K = 16              # every k up to this is timed; past it only SPARSE_K, and r(k) between
-SPARSE_K = (20, 24, 28, 32, 40, 48, 56, 64)  # them is a straight line (a 65-row batch costs
-                                             # ~14 decodes on 2 cores: timing every k to 64
-                                             # would take minutes)
+SPARSE_K = (20, 24, 28, 31, 40, 47, 56, 63, 64)  # them is a straight line (a 65-row batch costs
+                          # ~14 decodes on 2 cores: timing every k to 64 would take minutes).
+                          # 31, 47, 63: batches of 32, 48, 64 rows, where the CPU's repacked
+                          # gemm fills its 16-row blocks; one row more goes through its slower
+                          # rest (AMD Zen 4: r(47) 17.5, r(48) 18.1; r(46) 19.8)
 
 
 def timed_ks(k_max: int) -> list:
     """The k whose batches a calibration times: all up to DENSE_K, then SPARSE_K and k_max.
 
     >>> timed_ks(4), timed_ks(40)[-4:]
-    ([1, 2, 3, 4], [24, 28, 32, 40])
+    ([1, 2, 3, 4], [24, 28, 31, 40])
     """
     dense = list(range(1, min(k_max, DENSE_K) + 1))
     sparse = sorted({k for k in SPARSE_K if DENSE_K < k <= k_max} | ({k_max} - set(dense)))
@@ -145,7 +148,7 @@ def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
     one = times[0]
     ratios = _suffix_min(_fill({k: max(1.0, t / one) for k, t in zip(ks, times[1:])}, k_max))
     return CostCurve(tuple(round(r, 3) for r in ratios), ms_per_step=1000 * one,
-                     notes={"stability": round_stability(rounds), "samples": {
+                     notes={"stability": round_stability(rounds, ks), "samples": {
                          "t0": [r[0] for r in rounds],
                          **{str(k): [r[i + 1] / r[0] for r in rounds] for i, k in enumerate(ks)}}})
 
@@ -154,25 +157,22 @@ def curve_from_samples(samples: dict, k_max: int, key: str = "") -> CostCurve:
     """The curve of r(k) samples gathered in slices, maybe over several runs: {"t0": [seconds
     of one-token decodes], "1": [r(1) ...], ...}. Each r(k) was timed against a one-token
     decode of its own slice, so a slice taken while the machine was busier throughout counts as
-    slower, not steeper. Per k the median; past the largest k timed, r(k) grows in proportion.
+    slower, not steeper. Per k the median, straight lines between the timed k (the sparse ones
+    past DENSE_K too), past the largest r(k) grows in proportion: measure()'s curve.
 
     >>> curve_from_samples({"t0": [0.1, 0.2], "1": [1.5, 1.6, 1.4], "2": [2.0]}, k_max=3).ratios
     (1.0, 1.5, 2.0, 2.5)
+    >>> curve_from_samples({"t0": [0.1], "1": [1.5], "4": [2.5]}, k_max=5).ratios
+    (1.0, 1.5, 1.833, 2.167, 2.5, 2.875)
     """
-    ratios = [1.0]
-    for k in range(1, k_max + 1):
-        if not samples.get(str(k)):
-            break
-        ratios.append(max(1.0, statistics.median(samples[str(k)])))
-    top = len(ratios) - 1
-    slope = (ratios[top] - 1.0) / top if top else UNKNOWN_SLOPE
-    ratios += [1.0 + slope * k for k in range(top + 1, k_max + 1)]
-    for k in range(k_max - 1, 0, -1):           # as measure(): a spike cannot make k dearer
-        ratios[k] = min(ratios[k], ratios[k + 1])
-    per_k = [samples.get(str(k), []) for k in range(1, k_max + 1)]
+    points = {k: max(1.0, statistics.median(samples[str(k)]))
+              for k in range(1, k_max + 1) if samples.get(str(k))}
+    ratios = _suffix_min(_fill(points, k_max))  # a spike cannot make k dearer
+    timed = timed_ks(k_max)                     # the sizes a slice times: k past 16 sparse
+    per_k = [samples.get(str(k), []) for k in timed]
     base = samples.get("t0", [])
     return CostCurve(tuple(round(r, 3) for r in ratios), 1000 * min(base) if base else 50.0, key,
-                     {"stability": ratio_stability(per_k, base), "samples": samples,
+                     {"stability": ratio_stability(per_k, base, timed), "samples": samples,
                       "complete": min((len(x) for x in per_k), default=len(base)) >= FULL_ROUNDS})
 
 

@@ -200,8 +200,10 @@ class Stability:
         return self.spread > NOISY_SPREAD and not 0.0 < self.step_ms < JITTER_MS
 
 
-def round_stability(times: Sequence[Sequence[float]]) -> Stability:
-    """How much the calibration rounds agree. times: [rounds][k_max + 1] seconds.
+def round_stability(times: Sequence[Sequence[float]],
+                    ks: Optional[Sequence[int]] = None) -> Stability:
+    """How much the calibration rounds agree. times: [rounds][1 + len(ks)] seconds, a one-token
+    decode's first (ks: the k timed after it, default 1, 2, ...).
     A round's r(k) is its own time(k) / time(0), so a machine that is uniformly slower for a
     round does not count as noise; another job that comes and goes within a round does. With 4+
     rounds the highest and lowest r(k) are left out: one odd round is not a busy machine.
@@ -211,14 +213,16 @@ def round_stability(times: Sequence[Sequence[float]]) -> Stability:
     (0.058, 1, False)
     """
     rounds = [list(r) for r in times if r and r[0] > 0]
-    k_max = len(rounds[0]) - 1 if rounds else 0
-    return ratio_stability([[r[k] / r[0] for r in rounds] for k in range(1, k_max + 1)],
-                           [r[0] for r in rounds])
+    n = len(rounds[0]) - 1 if rounds else 0
+    return ratio_stability([[r[i] / r[0] for r in rounds] for i in range(1, n + 1)],
+                           [r[0] for r in rounds], ks)
 
 
-def ratio_stability(per_k: Sequence[Sequence[float]], base: Sequence[float]) -> Stability:
-    """round_stability's verdict from the r(k) samples of k = 1, 2, ... (per_k[k - 1]) and the
-    one-token times (seconds), however they were gathered (rounds, or slices of several runs)."""
+def ratio_stability(per_k: Sequence[Sequence[float]], base: Sequence[float],
+                    ks: Optional[Sequence[int]] = None) -> Stability:
+    """round_stability's verdict from the r(k) samples of each timed k (per_k[i] of k = ks[i];
+    ks default 1, 2, ...) and the one-token times (seconds), however they were gathered
+    (rounds, or slices of several runs)."""
     spreads = []
     for samples in per_k:
         rs = sorted(samples)
@@ -227,8 +231,9 @@ def ratio_stability(per_k: Sequence[Sequence[float]], base: Sequence[float]) -> 
         spreads.append((rs[-1] - rs[0]) / rs[0] if rs else 0.0)
     base = list(base)
     worst = max(range(len(spreads)), key=spreads.__getitem__) if spreads else 0
+    worst_k = ks[worst] if ks and spreads else worst + 1
     return Stability(max((len(x) for x in per_k), default=len(base)),
-                     statistics.median(spreads) if spreads else 0.0, worst + 1,
+                     statistics.median(spreads) if spreads else 0.0, worst_k,
                      spreads[worst] if spreads else 0.0,
                      (max(base) - min(base)) / min(base) if base else 0.0,
                      1000.0 * min(base) if base else 0.0)
