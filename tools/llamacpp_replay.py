@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))            # the re
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from tools import replay as rp  # noqa: E402
+from localspec.policy.config import K_LIMIT  # noqa: E402
 
 K_LLAMACPP = 64
 
@@ -204,8 +205,8 @@ def why_paid(step: tuple, k_max: int = 16) -> str:
 
 def localspec_policy(prior: Sequence[float], k_max: int = 16, settings: Optional[dict] = None):
     """A maker of the adaptive policy (scripts/policy_replay.py's "new") believing `prior`, with
-    `settings` changed (policy_replay's --variant keys); k_max over 16 (K_LIMIT) is a what-if:
-    the limit is lifted in this process."""
+    `settings` changed (policy_replay's --variant keys) and drafts of at most k_max (past
+    K_LIMIT a what-if: the limit is lifted in this process)."""
     from policy_replay import make_policies
     if k_max == 16 and not settings:
         return make_policies(["new"], list(prior[:17]))["new"]
@@ -216,7 +217,7 @@ def localspec_policy(prior: Sequence[float], k_max: int = 16, settings: Optional
 
 
 def replay_all(cases: Sequence[rp.Recorded], curves: dict, k_cap: int = K_LLAMACPP,
-               ours_k_max: int = 16, tie_margin: float = 0.0,
+               ours_k_max: int = K_LIMIT, tie_margin: float = 0.0,
                settings: Optional[dict] = None) -> list:
     """A row per (curve, case): each policy's speedup and counts, the bound, and the causes of
     the steps localspec paid where the better llama.cpp drafter had an accepted draft.
@@ -231,6 +232,8 @@ def replay_all(cases: Sequence[rp.Recorded], curves: dict, k_cap: int = K_LLAMAC
                                k_max=ours_k_max)
             row = {"curve": cname, "case": c.id, "kind": c.kind, "n": len(c.out),
                    "bound_k16": round(rp.bound_case(c, curve[:17], tie_margin=0.0), 4),
+                   "bound_kmax": round(rp.bound_case(c, curve[:ours_k_max + 1], tie_margin=0.0,
+                                                     k_max=ours_k_max), 4),
                    "localspec": _counts(s)}
             traces = {}
             for name, make in DRAFTERS.items():
@@ -251,25 +254,27 @@ def _counts(s: rp.CaseScore) -> dict:
             "drafted": s.drafted, "accepted": s.accepted}
 
 
-def print_tables(rows: list, per_case: bool) -> None:
+def print_tables(rows: list, per_case: bool, k_max: int = 16) -> None:
+    """The per-case table (per_case) and the per-kind one; k_max: localspec's draft limit in
+    the replay, the second bound's (what a future-knowing policy drafting up to it could do)."""
     names = ["localspec", *DRAFTERS]
     if per_case:
         print("| curve | case | n | localspec | llamacpp-simple | llamacpp-mod | bound (k<=16) | "
-              "localspec drafted/accepted | best llama.cpp drafted/accepted | localspec paid "
+              f"bound (k<={k_max}) | localspec drafted/accepted | best llama.cpp drafted/accepted | localspec paid "
               "a step where llama.cpp's draft was accepted |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             b = r[r["best"]]
             why = ", ".join(f"{v} {k}" for k, v in sorted(r["paid_where_llamacpp_drafted"].items(),
                                                           key=lambda kv: -kv[1])) or "-"
             print(f"| {r['curve']} | {r['case']} | {r['n']} | "
                   + " | ".join(f"{r[m]['speedup']:.3f}" for m in names)
-                  + f" | {r['bound_k16']:.3f} | {r['localspec']['drafted']}/"
+                  + f" | {r['bound_k16']:.3f} | {r['bound_kmax']:.3f} | {r['localspec']['drafted']}/"
                   f"{r['localspec']['accepted']} | {b['drafted']}/{b['accepted']} | {why} |")
         print()
     print("| curve | kind | cases | localspec | llamacpp-simple | llamacpp-mod | bound (k<=16) | "
-          "localspec / best llama.cpp | cases localspec ahead |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"bound (k<={k_max}) | localspec / best llama.cpp | cases localspec ahead |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     groups = defaultdict(list)
     for r in rows:
         groups[r["curve"], r["kind"]].append(r)
@@ -280,7 +285,8 @@ def print_tables(rows: list, per_case: bool) -> None:
         ahead = sum(r["localspec"]["speedup"] >= max(r[m]["speedup"] for m in DRAFTERS)
                     for r in rs)
         print(f"| {cname} | {kind} | {len(rs)} | " + " | ".join(f"{g[m]:.3f}x" for m in names)
-              + f" | {rp.geomean([r['bound_k16'] for r in rs]):.3f}x | "
+              + f" | {rp.geomean([r['bound_k16'] for r in rs]):.3f}x"
+              f" | {rp.geomean([r['bound_kmax'] for r in rs]):.3f}x | "
               f"{g['localspec'] / g[best]:.3f} ({best}) | {ahead}/{len(rs)} |")
     causes = defaultdict(Counter)
     for r in rows:
@@ -302,9 +308,10 @@ def main(argv: Optional[list] = None) -> int:
                          "otherwise] (extended to k = 64 with the last slope); repeatable")
     ap.add_argument("--kinds", default=None, help="only these kinds (comma-separated)")
     ap.add_argument("--k-cap", type=int, default=K_LLAMACPP,
-                    help="cut llama.cpp's drafts to this many tokens (16: localspec's K_LIMIT)")
-    ap.add_argument("--localspec-k-max", type=int, default=16,
-                    help="what if localspec's K_LIMIT (16) were this (lifted in this process)")
+                    help="cut llama.cpp's drafts to this many tokens")
+    ap.add_argument("--localspec-k-max", type=int, default=K_LIMIT,
+                    help=f"localspec's draft limit in the replay (K_LIMIT, {K_LIMIT} as shipped; "
+                    "16 was the limit before 2026-11-27; a larger one is lifted in this process)")
     ap.add_argument("--tie-margin", type=float, default=0.0,
                     help="localspec's near-tie guard (0: off, as on the CPU with its batch-"
                          "invariant kernels; 0.25: on, as where batches are not trusted)")
@@ -330,7 +337,7 @@ def main(argv: Optional[list] = None) -> int:
         from policy_replay import parse_variants
         settings = parse_variants([f"x:{a.localspec_settings}"])["x"]
     rows = replay_all(cases, curves, a.k_cap, a.localspec_k_max, a.tie_margin, settings)
-    print_tables(rows, a.per_case)
+    print_tables(rows, a.per_case, a.localspec_k_max)
     if a.json:
         Path(a.json).write_text(json.dumps({
             "command": " ".join(["python", "tools/llamacpp_replay.py", *(argv or sys.argv[1:])]),
