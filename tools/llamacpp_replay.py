@@ -260,8 +260,8 @@ def print_tables(rows: list, per_case: bool, k_max: int = 16) -> None:
     names = ["localspec", *DRAFTERS]
     if per_case:
         print("| curve | case | n | localspec | llamacpp-simple | llamacpp-mod | bound (k<=16) | "
-              f"bound (k<={k_max}) | localspec drafted/accepted | best llama.cpp drafted/accepted | localspec paid "
-              "a step where llama.cpp's draft was accepted |")
+              f"bound (k<={k_max}) | localspec drafted/accepted | best llama.cpp "
+              "drafted/accepted | localspec paid a step where llama.cpp's draft was accepted |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             b = r[r["best"]]
@@ -269,8 +269,9 @@ def print_tables(rows: list, per_case: bool, k_max: int = 16) -> None:
                                                           key=lambda kv: -kv[1])) or "-"
             print(f"| {r['curve']} | {r['case']} | {r['n']} | "
                   + " | ".join(f"{r[m]['speedup']:.3f}" for m in names)
-                  + f" | {r['bound_k16']:.3f} | {r['bound_kmax']:.3f} | {r['localspec']['drafted']}/"
-                  f"{r['localspec']['accepted']} | {b['drafted']}/{b['accepted']} | {why} |")
+                  + f" | {r['bound_k16']:.3f} | {r['bound_kmax']:.3f} | "
+                  f"{r['localspec']['drafted']}/{r['localspec']['accepted']} | "
+                  f"{b['drafted']}/{b['accepted']} | {why} |")
         print()
     print("| curve | kind | cases | localspec | llamacpp-simple | llamacpp-mod | bound (k<=16) | "
           f"bound (k<={k_max}) | localspec / best llama.cpp | cases localspec ahead |")
