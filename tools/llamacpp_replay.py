@@ -188,7 +188,7 @@ def paid_positions(trace: Sequence) -> dict:
     return {s[0] + s[2]: s for s in trace}
 
 
-def why_paid(step: tuple, k_max: int = 16) -> str:
+def why_paid(step: tuple, k_max: int = K_LIMIT) -> str:
     """Why localspec paid a step for a token that llama.cpp had drafted and got accepted, from
     localspec's step (t, k, n_accepted, n_emitted, matching run of its offer)."""
     t, k, n_acc, _, run = step
@@ -203,13 +203,12 @@ def why_paid(step: tuple, k_max: int = 16) -> str:
     return f"{k_max}-token cap" if k >= k_max else "its match ran out first"
 
 
-def localspec_policy(prior: Sequence[float], k_max: int = 16, settings: Optional[dict] = None):
+def localspec_policy(prior: Sequence[float], k_max: int = K_LIMIT,
+                     settings: Optional[dict] = None):
     """A maker of the adaptive policy (scripts/policy_replay.py's "new") believing `prior`, with
     `settings` changed (policy_replay's --variant keys) and drafts of at most k_max (past
     K_LIMIT a what-if: the limit is lifted in this process)."""
     from policy_replay import make_policies
-    if k_max == 16 and not settings:
-        return make_policies(["new"], list(prior[:17]))["new"]
     import localspec.policy.config as pc
     pc.K_LIMIT = max(pc.K_LIMIT, k_max)
     variant = {**(settings or {}), "k_max": k_max}
@@ -254,7 +253,7 @@ def _counts(s: rp.CaseScore) -> dict:
             "drafted": s.drafted, "accepted": s.accepted}
 
 
-def print_tables(rows: list, per_case: bool, k_max: int = 16) -> None:
+def print_tables(rows: list, per_case: bool, k_max: int = K_LIMIT) -> None:
     """The per-case table (per_case) and the per-kind one; k_max: localspec's draft limit in
     the replay, the second bound's (what a future-knowing policy drafting up to it could do)."""
     names = ["localspec", *DRAFTERS]

@@ -70,22 +70,18 @@ def _lib_file(folder: Path, name: str) -> Optional[Path]:
                  and not p.is_symlink()), None) if folder.is_dir() else None
 
 
-def _llama_lib(folder: Path) -> Optional[Path]:
-    return _lib_file(folder, "llama")
-
-
 def exact_lib_status(environ=os.environ) -> tuple:
     """(folder, problem): the batch-invariant library folder (LOCALSPEC_EXACT_LIB, else
     llama_cpp/lib-exact) and "" when it is usable, else why not. A copy left from an earlier
     llama-cpp-python install is not usable: its libllama must be the installed one's twin."""
     given = environ.get("LOCALSPEC_EXACT_LIB")
     if given:
-        return Path(given), ("" if _llama_lib(Path(given)) else f"{given} holds no libllama")
+        return Path(given), ("" if _lib_file(Path(given), "llama") else f"{given} holds no libllama")
     lib = package_lib_dir()
     if lib is None:
         return None, "llama-cpp-python is not installed"
     folder = lib.parent / EXACT_DIR
-    mine, theirs = _llama_lib(folder), _llama_lib(lib)
+    mine, theirs = _lib_file(folder, "llama"), _lib_file(lib, "llama")
     if mine is None:
         return folder, f"{folder} is missing"
     if theirs is None or mine.name != theirs.name or _stamp(mine) != _stamp(theirs):

@@ -185,7 +185,7 @@ class AdaptivePolicy:
         c, run = self.config, max(self.state.longest, shown)
         rate = c.loss_budget_long if max(self.state.streak, shown) >= c.long_run else c.loss_budget
         budget = 1.0 + rate * (run + 1)
-        n, d = min(self.config.k_max, len(r) - 1), 0
+        n, d = min(c.k_max, len(r) - 1), 0
         while d < n and r[d + 1] <= budget:
             d += 1
         return d
