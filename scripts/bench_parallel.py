@@ -44,6 +44,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -216,18 +217,36 @@ def stop_all() -> None:
             pass
 
 
-def server_command(cfg: Config, a, model: Path, port: int) -> tuple:
+def fresh_home(home: Path) -> Path:
+    """`home` made a LOCALSPEC_HOME that shares the real one's models, calibrations and builds
+    (links) but has no draft store and no prompt cache of its own yet."""
+    from localspec.files import localspec_home
+    real = localspec_home()
+    real.mkdir(parents=True, exist_ok=True)
+    for entry in real.iterdir():
+        if entry.name not in ("store", "prompt-cache"):
+            (home / entry.name).symlink_to(entry)
+    return home
+
+
+def server_command(cfg: Config, a, model: Path, port: int, home: Path) -> tuple:
     """(argv, env) for one configuration. The context: --ctx per slot, times the slots (both
-    servers split their total context equally between slots)."""
+    servers split their total context equally between slots). `home`: an empty folder for this
+    turn's localspec home."""
     env = dict(os.environ)
     total = str(a.ctx * cfg.parallel)
     if cfg.server == "localspec":
-        # The draft store would draft from earlier runs' outputs (llama-server has nothing like
-        # it) and the disk cache from earlier servers' prompts: both off, every turn cold.
-        env["LOCALSPEC_STORE_MB"] = "0"
+        # Both servers learn across the turn's requests and start it knowing nothing: llama-
+        # server's ngram-mod keeps one table of every prompt's and output's 24-token windows
+        # for all slots (common/speculative.cpp: begin() adds, nothing clears it per request),
+        # localspec its draft store, empty in a fresh home. --no-store: localspec's off. The
+        # disk cache would bring earlier servers' prompts: off, every turn cold.
+        env["LOCALSPEC_HOME"] = str(fresh_home(home))
+        if not a.store:
+            env["LOCALSPEC_STORE_MB"] = "0"
         cmd = [sys.executable, "-m", "localspec", "serve", "--http", f"127.0.0.1:{port}",
                "-m", str(model), "--threads", str(a.threads), "--ctx", total,
-               "--queue", "256", "--no-disk-cache", "--no-learn"]
+               "--queue", "256", "--no-disk-cache", "--learn" if a.store else "--no-learn"]
         if cfg.parallel > 1:
             cmd += ["--parallel", str(cfg.parallel)]
         return cmd, env
@@ -613,7 +632,8 @@ def markdown(meta: dict, summary: dict) -> str:
              f"model {Path(meta['model']).name}, {meta['ctx_per_slot']} tokens of context per "
              f"slot, greedy, {meta['rounds']} round(s) of {', '.join(meta['configs'])}; "
              f"load average {meta['load_start']} at the start, {meta.get('load_end', '?')} at "
-             f"the end; commit {meta['commit']}.", ""]
+             f"the end; commit {meta['commit']}; localspec's draft store "
+             + ("on, empty at each server's start." if meta.get("store") else "off."), ""]
     cfgs = summary["configs"]
     if any("fim" in s for s in cfgs.values()):
         lines += [f"FIM time to first token (ms; route {meta.get('fim_route')}, "
@@ -664,7 +684,9 @@ def markdown(meta: dict, summary: dict) -> str:
 # -- the run ---------------------------------------------------------------------------------------
 def one_turn(cfg: Config, a, model: Path, cases: list, log_dir: Path, rnd: int) -> dict:
     port = free_port()
-    cmd, env = server_command(cfg, a, model, port)
+    home = Path(tempfile.mkdtemp(prefix="localspec-bench-home-"))
+    atexit.register(shutil.rmtree, home, True)
+    cmd, env = server_command(cfg, a, model, port, home)
     server = Server(cfg, cmd, port, log_dir / f"round{rnd}-{cfg.name}.log", env)
     res = {"command": cmd, "port": port, "log": str(server.log_path),
            "load_start": os.getloadavg()[0]}
@@ -677,6 +699,7 @@ def one_turn(cfg: Config, a, model: Path, cases: list, log_dir: Path, rnd: int) 
             res["throughput"] = run_throughput(server, a, cases)
     finally:
         server.stop()
+        shutil.rmtree(home, ignore_errors=True)
     res["load_end"] = os.getloadavg()[0]
     return res
 
@@ -704,6 +727,10 @@ def build_args(argv: Optional[list] = None):
     ap.add_argument("--cases", default=None, help=f"default {DEFAULT_CASES}")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap per case (default 256)")
     ap.add_argument("--clients", type=int, default=None, help="default 4")
+    ap.add_argument("--store", action=argparse.BooleanOptionalAction, default=True,
+                    help="localspec's draft store on, empty at each server's start, as "
+                         "llama-server's ngram-mod table is (default); --no-store: off, as "
+                         "runs 1-4 had it")
     ap.add_argument("--json", type=Path, default=None, help="every raw number, texts included")
     ap.add_argument("--log-dir", type=Path, default=None, help="the servers' logs")
     ap.add_argument("--start-timeout", type=float, default=900,
@@ -772,6 +799,7 @@ def main(argv: Optional[list] = None) -> int:
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_info(),
             "threads": a.threads, "model": str(model), "ctx_per_slot": a.ctx, "rounds": a.rounds,
             "configs": [c.name for c in configs], "scenarios": a.scenarios,
+            "store": a.store,
             "chat_tokens": a.chat_tokens, "chat_prompt": CHAT_PROMPT, "fim_every": a.fim_every,
             "fim_count": a.fim_count, "fim_tokens": a.fim_tokens, "fim_source": FIM_SOURCE,
             "prefix_lines": a.prefix_lines, "suffix_lines": a.suffix_lines,

@@ -134,7 +134,9 @@ def test_fim_takes_the_infill_route_on_a_model_with_fim_tokens(tiny_fim_path, _t
     try:
         for cfg in bp.parse_configs(",".join(configs)):
             port = bp.free_port()
-            cmd, env = bp.server_command(cfg, a, tiny_fim_path, port)
+            home = tmp_path / f"{cfg.name}-home"
+            home.mkdir()
+            cmd, env = bp.server_command(cfg, a, tiny_fim_path, port, home)
             server = bp.Server(cfg, cmd, port, tmp_path / f"{cfg.name}.log", env)
             server.start(300)
             try:

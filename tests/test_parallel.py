@@ -19,7 +19,7 @@ import pytest
 from localspec.errors import LocalspecError
 from localspec.llama import Context, ContextParams, batch_invariant_rows
 from localspec.llama.exact_rows import exact_rows_settable
-from localspec.llama.batch_shape import plan, split_cost
+from localspec.llama.batch_shape import Step, groups, plan, split_cost, tick_cost, trim
 from localspec.llama.slots import SharedContext, _Work
 from localspec.speculative.engine import Engine, EngineConfig
 from localspec.speculative.parallel import MAX_SLOTS, Slots, check_parallel
@@ -262,6 +262,87 @@ def test_steps_are_padded_to_one_pass_only_where_that_is_cheaper():
     assert plan({0: 2, 2: 2}, {0: 100, 1: 1, 2: 100}, flat, 31) is None   # slot 1 is full
 
 
+def test_a_tick_cuts_drafts_that_would_cost_more_than_they_bring():
+    linear = lambda n: 1.0 + 0.6 * (n - 1)            # noqa: E731  an AMD part's verify cost
+    flat = lambda n: 1.0 + 0.05 * (n - 1)             # noqa: E731
+    halves = tuple(0.5 ** (j + 1) for j in range(5))
+    plain = {s: Step(0) for s in range(3)}
+    # beside three single rows, five drafts of falling worth cost a pass of their own: cut
+    assert trim({**plain, 3: Step(5, halves)}, linear, 68) == {0: 0, 1: 0, 2: 0, 3: 0}
+    # fifteen sure drafts bring more than their pass costs: kept
+    sure = (1.0,) * 15
+    assert trim({**plain, 3: Step(15, sure)}, linear, 68)[3] == 15
+    # two slots drafting four likely tokens each on a flat curve: one padded pass, kept
+    likely = (0.9, 0.8, 0.7, 0.6)
+    assert trim({0: Step(4, likely), 1: Step(4, likely), 2: Step(0)}, flat, 68) == \
+        {0: 4, 1: 4, 2: 0}
+    # over the row cap the steps run in groups of at most row_cap rows, in slot order
+    assert groups({0: 40, 1: 1, 2: 40}, 68) == [{0: 40, 1: 1}, {2: 40}]
+    assert tick_cost({0: 40, 1: 1, 2: 40}, linear, 68) == \
+        split_cost({0: 40, 1: 1}, linear) + linear(40)
+
+
+@needs_invariant
+def test_a_tick_that_cuts_a_step_keeps_its_rows_and_cache_exact(smollm):
+    """Three slots hand in steps of 1, 1 and 6 rows; on a curve where a second pass is dear the
+    tick cuts the third to its first row: that row equals a lone decode, and the slot's cache
+    and token list hold exactly what was decoded."""
+    model = smollm
+    prompts = [model.tokenize(p * 6) for p in ("alpha beta gamma ", "one two three ",
+                                                 "def f(x): return x ")]
+    conts = [[101], [202], [303, 304, 305, 306, 307, 308]]
+    shared = SharedContext(model, ContextParams(n_ctx=SLOT_CTX * 3, n_threads=2), 3, 31)
+    try:
+        for slot, prompt in zip(shared.slots, prompts):
+            slot.decode(prompt, logits="none")
+        shared.row_cost = lambda n: 1.0 if n <= 3 else 100.0
+        works = [_Work(s, cont, len(prompts[s]), np.ones(len(cont), dtype=np.int8), False,
+                       (0.5,) * (len(cont) - 1)) for s, cont in enumerate(conts)]
+        with shared.lock:
+            shared._pending = {w.seq: w for w in works}
+            shared._tick()
+        assert [len(w.rows) for w in works] == [1, 1, 1] and shared.cut == 5
+        assert shared.slots[2].rows_held() == len(prompts[2]) + 1
+        row = works[2].rows[0].copy()
+    finally:
+        shared.close()
+    with Context(model, ContextParams(n_ctx=SLOT_CTX, n_threads=2)) as lone:
+        lone.decode(prompts[2], logits="none")
+        assert np.array_equal(lone.decode([303], logits="last")[0], row)
+
+
+@needs_invariant
+def test_slots_whose_drafts_are_cut_give_their_lone_text(smollm):
+    """Every tick with two busy slots cuts every draft (a curve where a second pass is dear):
+    the steps verify fewer drafts than they proposed, and each text is still the lone one."""
+    requests = [{"prompt": PROMPTS[i % 2 * 3], "sampling": SamplingParams(), "max_tokens": 40,
+                 "speculate": True, "delay": 0.0} for i in range(4)]
+    alone = run_alone(smollm, requests)
+    with Slots(smollm, config(2), 2) as slots:
+        slots.prepare()
+        slots.shared.row_cost = lambda n: 1.0 if n <= 2 else 100.0
+        assert run_together(slots, requests) == alone
+        assert slots.shared.cut > 0
+
+
+@needs_invariant
+def test_slots_share_the_draft_store_and_keep_their_lone_text(smollm, tmp_path, monkeypatch):
+    """A reply one slot wrote joins the shared store when it ends; the same question on the
+    other slot then drafts it from the store, and gives the text it gives alone."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    question = [{"role": "user", "content": "Write a short poem about the sea and the moon."}]
+    alone = run_alone(smollm, [{"prompt": question, "sampling": SamplingParams(),
+                                "max_tokens": 40, "speculate": True}])[0]
+    with Slots(smollm, config(2, store=True, store_disk=False), 2) as slots:
+        slots.prepare()
+        first = slots.engines[0].generate(question, max_tokens=40)
+        assert ("".join(first), list(first.tokens)) == alone
+        second = slots.engines[1].generate(question, max_tokens=40)
+        assert ("".join(second), list(second.tokens)) == alone
+        assert second.stats.accepted_by_source.get("store", 0) > 0
+    assert not list(tmp_path.glob("store/*"))                 # memory only, as configured
+
+
 @needs_invariant
 def test_a_prompt_another_slot_holds_starts_from_a_copy_of_its_rows(smollm):
     """Two questions about one document: the second slot copies the first one's whole prompt
@@ -327,4 +408,5 @@ with Slots({str(tiny_path)!r}, cfg, 2) as slots:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, LOCALSPEC_EXACT="0"))
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.startswith("ok 64 ")
+    assert p.stdout.startswith("ok 66 ")          # K_LIMIT + 2: one draft at most beside
+                                                   # the other slot's row

@@ -86,6 +86,12 @@ class ScriptedContext:
     def draft_room(self):
         return self.n_ctx
 
+    def stepping(self):              # no other slots' steps beside this one's
+        return 1
+
+    def verify_rows(self, tokens, survival=()):
+        return self.decode(tokens, logits="all")
+
     def close(self):
         pass
 

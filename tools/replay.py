@@ -172,6 +172,70 @@ def jitter(sigma: float, seed: str) -> Callable[[float], float]:
     return noisy
 
 
+class CaseRun:
+    """One recorded case replayed a step at a time, as the engine runs it: propose(room) says
+    what the policy drafts, finish(drafts) verifies them against the recording, tells the
+    policy and moves on. replay_case() runs one alone; tools/slots_replay.py ticks several."""
+
+    def __init__(self, case: Recorded, make_policy: Callable, *, tie_margin: float = 0.25,
+                 ngram_max: int = 8, tie: str = "earliest", store=None,
+                 first_oracle: bool = False):
+        self.case, self.t, self.recheck = case, 1, False
+        self.tie_margin, self.first_oracle = tie_margin, first_oracle
+        self.policy = make_policy()
+        self.prop = _proposer(case, ngram_max, tie, store)
+        self.score = CaseScore(1.0)
+        self.policy.start()
+
+    @property
+    def done(self) -> bool:
+        return self.t >= len(self.case.out)
+
+    def propose(self, room: int) -> tuple:
+        """(features or None, drafts) the engine's way: the proposer offers, the policy chooses
+        k, k tokens are drafted; at most `room` of them."""
+        out = self.case.out
+        offers = [] if self.recheck else \
+            self.prop.offers(min(room, len(out) - self.t, self.policy.config.k_max))
+        if self.first_oracle:
+            offers = [o for o in offers if o.features.tokens[0] == out[self.t]]
+        f, k = choose(self.policy, offers)
+        return f, (list(f.tokens[:k]) if f is not None else [])
+
+    def survival(self, f, n: int) -> tuple:
+        """The policy's predicted chance that drafts 0..j of `f` are all accepted, j < n."""
+        return self.policy.survival(f, n) if f is not None and n else ()
+
+    def finish(self, f, drafts: list, cost: float, told_ms: Optional[float],
+               propose_ms: float = 0.0, trace: Optional[list] = None) -> int:
+        """Verify `drafts` after position t, charge `cost`, tell the policy `told_ms` (None: an
+        untimed step, as a slot's); returns the tokens emitted."""
+        out, t, k = self.case.out, self.t, len(drafts)
+        n_acc = run_length(drafts, out, t)
+        step = _tie_cut(self.case.margin, t, n_acc, k, self.tie_margin)
+        self.recheck = step is not None and step <= n_acc
+        emitted = out[t:t + (step if self.recheck else n_acc + 1)]
+        self.policy.observe_step(f, k, n_acc, emitted, verify_ms=told_ms, propose_ms=propose_ms)
+        if trace is not None:
+            trace.append((t, k, n_acc, len(emitted),
+                          run_length(f.tokens, out, t) if f is not None else 0))
+        self.prop.accept(emitted)
+        self.t += len(emitted)
+        sc = self.score
+        sc.steps += 1
+        sc.spec_steps += k > 0
+        sc.drafted += k
+        sc.accepted += n_acc
+        sc.cost += cost
+        return len(emitted)
+
+    def close(self) -> CaseScore:
+        _close(self.prop)
+        n, sc = len(self.case.out), self.score
+        sc.speedup = (n - 1) / sc.cost if sc.cost else 1.0
+        return sc
+
+
 def replay_case(case: Recorded, make_policy: Callable, curve: Sequence[float], *,
                 propose_cost: float = 0.0, tie_margin: float = 0.25, ngram_max: int = 8,
                 tie: str = "earliest", k_max: int = 16, trace: Optional[list] = None,
@@ -182,42 +246,17 @@ def replay_case(case: Recorded, make_policy: Callable, curve: Sequence[float], *
     `timing_noise` > 0: the policy is told jittered times (jitter(), seeded by seed and case);
     `first_oracle`: offers whose first token is wrong are withheld from the policy (a ceiling:
     what knowing which offers are right, but not how far, would give)."""
-    out, n = case.out, len(case.out)
-    policy = make_policy()
     told = jitter(timing_noise, f"{seed}:{case.id}") if timing_noise > 0 else (lambda ms: ms)
-    prop = _proposer(case, ngram_max, tie, store)
-    score = CaseScore(1.0)
+    run = CaseRun(case, make_policy, tie_margin=tie_margin, ngram_max=ngram_max, tie=tie,
+                  store=store, first_oracle=first_oracle)
     try:
-        policy.start()
-        t, recheck = 1, False
-        while t < n:
-            # the engine's way: the proposer offers, the policy chooses k, k tokens are drafted
-            offers = [] if recheck else prop.offers(min(k_max, n - t, policy.config.k_max))
-            if first_oracle:
-                offers = [o for o in offers if o.features.tokens[0] == out[t]]
-            f, k = choose(policy, offers)
-            drafts = list(f.tokens[:k]) if f is not None else []
-            k = len(drafts)
-            n_acc = run_length(drafts, out, t)
-            step_cost = curve[k] + propose_cost   # rechecks too: a conservative charge
-            step = _tie_cut(case.margin, t, n_acc, k, tie_margin)
-            recheck = step is not None and step <= n_acc
-            emitted = out[t:t + (step if recheck else n_acc + 1)]
-            policy.observe_step(f, k, n_acc, emitted, verify_ms=told(curve[k] * BASE_MS),
-                                propose_ms=propose_cost * BASE_MS)
-            if trace is not None:
-                trace.append((t, k, n_acc, len(emitted),
-                              run_length(f.tokens, out, t) if f is not None else 0))
-            prop.accept(emitted)
-            t += len(emitted)
-            score.steps += 1
-            score.spec_steps += k > 0
-            score.drafted += k
-            score.accepted += n_acc
-            score.cost += step_cost
+        while not run.done:
+            f, drafts = run.propose(k_max)
+            k = len(drafts)          # rechecks are charged too: a conservative charge
+            run.finish(f, drafts, curve[k] + propose_cost, told(curve[k] * BASE_MS),
+                       propose_cost * BASE_MS, trace)
     finally:
-        _close(prop)
-    score.speedup = (n - 1) / score.cost if score.cost else 1.0
+        score = run.close()
     return score
 
 

@@ -170,6 +170,17 @@ class Context(Handle):
         token and its drafts) must be one decode chunk."""
         return min(self.n_ctx, self.n_batch - 1)
 
+    def stepping(self) -> int:
+        """Sequences whose steps the coming decode carries, this one included: 1 here (a slot
+        of a shared context counts the busy slots, whose steps share its ticks)."""
+        return 1
+
+    def verify_rows(self, tokens: Sequence[int], survival: Sequence[float] = ()) -> np.ndarray:
+        """A verify batch, [last] + drafts, logits on every row. `survival` (each draft's
+        predicted chance of being accepted) is for a slot's shared tick, which may keep fewer
+        rows; a lone context decodes them all."""
+        return self.decode(tokens, logits="all")
+
     @property
     def clean(self) -> tuple:
         """(n, grid): the first n rows were computed in whole chunks of `grid` tokens starting at

@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import LocalspecError
 from . import backend as _b
 from . import native
-from .batch_shape import default_row_cost, plan
+from .batch_shape import Step, default_row_cost, groups, plan, trim
 from .context import _IDLE, Context, ContextParams, Handle, cold_prefix
 from .exact_rows import exact_for, exact_rows_settable
 from .model import Model
@@ -51,11 +51,12 @@ class _Work:
     """One decode handed in by a slot, and what came back."""
 
     __slots__ = ("seq", "tokens", "pos", "want", "prompt", "since", "rc", "rows", "done", "error",
-                 "pad")
+                 "pad", "survival")
 
-    def __init__(self, seq: int, tokens, pos: int, want: np.ndarray, prompt: bool):
+    def __init__(self, seq: int, tokens, pos: int, want: np.ndarray, prompt: bool,
+                 survival: Sequence[float] = ()):
         self.seq, self.tokens, self.pos = seq, list(tokens), pos
-        self.want, self.prompt = want, prompt
+        self.want, self.prompt, self.survival = want, prompt, tuple(survival)
         self.since = time.monotonic()
         self.rc, self.rows, self.done, self.error = 0, None, False, None
         self.pad = 0                     # rows at the end only there to shape the batch
@@ -88,6 +89,7 @@ class SharedContext(Handle):
         self.ticks = 0                   # llama_decode calls made for slots, for stats
         self.stalls = 0                  # ticks that waited MAX_WAIT_S for a stalled slot
         self.copies = 0                  # prompts that started from another slot's rows
+        self.cut = 0                     # drafts a tick cut (_trim), for stats and tests
         # a pass of n rows in one-token decodes; Slots.prepare() sets the calibrated curve
         self.row_cost = default_row_cost
         self.slots = [SeqContext(self, i) for i in range(n_seq)]
@@ -149,21 +151,18 @@ class SharedContext(Handle):
         works, self._pending = sorted(self._pending.values(), key=lambda w: w.seq), {}
         try:
             steps = [w for w in works if not w.prompt]
+            prompted = {w.seq for w in works if w.prompt}
             for w in works:
                 if w.prompt:
                     self._run([w])
+            if len(steps) > 1 and any(len(w.tokens) > 1 for w in steps):
+                self._trim(steps, prompted)
             if steps and sum(len(w.tokens) for w in steps) <= self.row_cap:
-                prompted = {w.seq for w in works if w.prompt}
                 self._run(self._padded(steps, prompted))
                 return
-            group: list = []
-            for w in steps:
-                if group and sum(len(g.tokens) for g in group) + len(w.tokens) > self.row_cap:
-                    self._run(group)
-                    group = []
-                group.append(w)
-            if group:
-                self._run(group)
+            by_seq = {w.seq: w for w in steps}
+            for group in groups({w.seq: len(w.tokens) for w in steps}, self.row_cap):
+                self._run([by_seq[s] for s in group])
         except BaseException as e:             # a crash of ours, not llama.cpp's return code
             for w in works:
                 if not w.done:
@@ -171,6 +170,21 @@ class SharedContext(Handle):
             raise
         finally:
             self.lock.notify_all()
+
+    def _trim(self, steps: list, prompted: set) -> None:
+        """Cut the steps' drafts where the tick's expected tokens per unit of cost rises
+        (batch_shape.trim: a slot's drafts were chosen as if alone, and beside other slots'
+        single rows they may cost a pass of their own). A step that brought no survival (a
+        fixed k) counts its drafts as sure, so it is cut only to shape the others."""
+        plan_in = {w.seq: Step(len(w.tokens) - 1, w.survival or (1.0,) * (len(w.tokens) - 1))
+                   for w in steps}
+        kept = trim(plan_in, self.row_cost, self.row_cap,
+                    self._free_cells(self._ends(steps), prompted))
+        for w in steps:
+            n = kept[w.seq] + 1
+            if n < len(w.tokens):
+                self.cut += len(w.tokens) - n
+                w.tokens, w.want = w.tokens[:n], w.want[:n]
 
     def _padded(self, steps: list, prompted: set) -> list:
         """`steps`, each padded to the longest, with idle sequences in their span padded too,
@@ -285,6 +299,7 @@ class SeqContext(Context):
         self.tokens: list = []
         self._clean = (0, 0)
         self._prompt = False             # the decode in progress is a prompt chunk
+        self._survival: tuple = ()       # the verify step in progress: its drafts' worth
 
     def hold(self):
         """A generation runs on this slot (the engine wraps each one in it)."""
@@ -293,9 +308,24 @@ class SeqContext(Context):
     timed = False         # a tick's time is every slot's: the policy reads the curve instead
 
     def draft_room(self) -> int:
-        """The drafts a step may take while the other busy slots take theirs: an equal share of
-        a batch the invariant kernels keep exact, less the step's own row."""
-        return max(0, self.shared.row_cap // max(1, self.shared.busy) - 1)
+        """The drafts a step may take: the rows of a tick the other busy slots' own rows leave,
+        less the step's own (the tick then cuts what does not pay beside the others' steps)."""
+        return max(0, self.shared.row_cap - max(1, self.shared.busy))
+
+    def stepping(self) -> int:
+        return max(1, self.shared.busy)
+
+    def verify_rows(self, tokens: Sequence[int], survival: Sequence[float] = ()) -> np.ndarray:
+        """The tick may keep only the first rows of a step (its drafts were cut): the rows
+        dropped were never decoded, so they leave the token list too."""
+        self._survival = survival
+        try:
+            rows = self.decode(tokens, logits="all")
+        finally:
+            self._survival = ()
+        if len(rows) < len(tokens):
+            del self.tokens[len(rows) - len(tokens):]
+        return rows
 
     def free_drafts(self, k: int, room: int) -> int:
         """k, or more when the slots that handed in their steps already make the coming tick
@@ -336,7 +366,7 @@ class SeqContext(Context):
 
     def _decode_chunk(self, ctx, tokens: Sequence[int], want: np.ndarray) -> int:
         prompt = self._prompt or len(tokens) > self.shared.row_cap     # runs alone
-        work = _Work(self.seq, tokens, self.n_past, want, prompt)
+        work = _Work(self.seq, tokens, self.n_past, want, prompt, self._survival)
         self.shared.submit(work)
         self._rows = work.rows
         return work.rc

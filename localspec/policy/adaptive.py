@@ -18,6 +18,7 @@ from .config import GuardConfig, PolicyConfig
 from .costmodel import CostModel
 from .draft_estimate import DraftPolicy
 
+TRACK_PRIOR = 4.0   # survival(): pseudo-drafts, predicted and accepted alike, a request starts with
 PLAIN_EMA = 0.8     # the guard's plain-step time: the last ~5 plain steps of the request
 
 
@@ -113,11 +114,13 @@ class AdaptivePolicy:
         self.state = RequestState()
         self._seen = (None, None)   # the last proposal predicted, and its base logits
         self._plain_ms: Optional[float] = None   # this request's plain steps, smoothed
+        self._predicted = self._got = 0.0        # drafts predicted accepted / accepted
 
     def start(self) -> None:
         """A new request: nothing is known about its text yet."""
         self.state = RequestState()
         self._plain_ms = None
+        self._predicted = self._got = 0.0
 
     def choose(self, offer: Offer) -> int:
         """k for a proposer's offer (0: decode plainly). A draft model's offer has no features:
@@ -129,6 +132,18 @@ class AdaptivePolicy:
     def predict(self, f: DraftFeatures) -> list:
         """p_0..p_{n-1} of the proposal's positions (n capped by k_max)."""
         return self.acceptance.probs(self._logits(f))
+
+    def survival(self, f: DraftFeatures, n: int) -> tuple:
+        """For j < n: the chance that draft positions 0..j are all accepted, as predicted and
+        then scaled down by how this request's drafts have fared against such predictions so
+        far (a shared tick weighs a slot's drafts by it, and the predictions are confident
+        where a copy is edited line by line). The step's own choice is left as it was."""
+        scale = min(1.0, (self._got + TRACK_PRIOR) / (self._predicted + TRACK_PRIOR))
+        out, run = [], scale
+        for p in self.acceptance.probs(self.acceptance.base_logits(f, n, self.state)):
+            run *= p
+            out.append(run)
+        return tuple(out)
 
     def _logits(self, f: DraftFeatures, depth: Optional[int] = None) -> list:
         """The proposal's prior logits of its first `depth` positions (None: all it may draft),
@@ -205,6 +220,7 @@ class AdaptivePolicy:
         if f is not None and len(f.tokens):
             base = self._seen[1] if self._seen[0] is f else None
             if k:
+                self._track(f, k, n_accepted, base)
                 self.acceptance.observe(f, k, n_accepted, self.state, base)
             elif emitted:             # not drafted: plain decoding says what it would have scored
                 self.acceptance.observe(f, 1, int(f.tokens[0] == emitted[0]), self.state, base)
@@ -214,6 +230,17 @@ class AdaptivePolicy:
         else:
             self.guard.plain()
         self.state.verified(f, k, n_accepted, emitted)
+
+    def _track(self, f: DraftFeatures, k: int, n_accepted: int, base) -> None:
+        """Add a drafted step's predicted accepted drafts (sum of survivals) and its accepted
+        ones to the request's totals, which survival() scales its predictions by."""
+        if base is None or len(base) < k:
+            base = self.acceptance.base_logits(f, k, self.state)
+        run = 1.0
+        for p in self.acceptance.probs(base[:k]):
+            run *= p
+            self._predicted += run
+        self._got += n_accepted
 
     def _plain_reference(self) -> float:
         """What a plain step costs the request now: its own recent plain steps (the engine's cost

@@ -142,11 +142,17 @@ def make_proposer(config: EngineConfig, target: Model,
 def make_ngram(config: EngineConfig, target: Model) -> NgramProposer:
     """The n-gram proposer, telling the acceptance model which drafted tokens are line breaks or
     sentence ends (acceptance.token_class) through the target's vocabulary."""
-    store = LearningStore.for_model(target.path, target.path.name, config.store_mb,
-                                    config.learn, config.store_disk,
-                                    n_vocab=target.n_vocab) if config.store else None
     return NgramProposer(config.ngram_min, config.ngram_max, config.ngram_tie,
-                         token_classes=TokenClasses(target.token_piece), store=store)
+                         token_classes=TokenClasses(target.token_piece),
+                         store=make_store(config, target))
+
+
+def make_store(config: EngineConfig, target: Model) -> Optional[LearningStore]:
+    """The draft store of the target model, if the config keeps one (and its budget is not 0)."""
+    if not config.store:
+        return None
+    return LearningStore.for_model(target.path, target.path.name, config.store_mb, config.learn,
+                                   config.store_disk, n_vocab=target.n_vocab)
 
 
 def load_draft(config: EngineConfig, target: Model,

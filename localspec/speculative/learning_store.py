@@ -7,6 +7,7 @@ kept across requests and, saved in the file's header, across restarts.
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -98,6 +99,14 @@ class LearningStore:
         draft from themselves."""
         self.memory.extend(list(prompt[-self.context_max:]) + list(tokens) + [BREAK])
 
+    def keep(self, tokens: Sequence[int]) -> None:
+        """Add one whole output (prompt tail, tokens, BREAK already in it), as a learning run
+        does, and save it: a slot's output, kept aside while it ran (SlotView)."""
+        if self.learn and tokens:
+            self.memory.extend(tokens)
+            self._pending.extend(tokens)
+            self.flush()
+
     def reset(self) -> None:
         """An empty store (a bench session's start); the file is not touched."""
         self.memory.clear()
@@ -119,3 +128,50 @@ class LearningStore:
             self.end_output()
         self.flush()
         self.memory.close()
+
+
+class SlotView:
+    """One slot's handle on a LearningStore the slots of `serve --parallel` share: offers come
+    from the shared store, under its lock (the index is not thread-safe); the slot's output is
+    kept aside while it runs and joins the store whole when it ends, so outputs written side by
+    side are never spliced into one. The shared store's owner (Slots) closes it."""
+
+    def __init__(self, shared: LearningStore, lock: threading.Lock):
+        self.shared, self.lock = shared, lock
+        self._out: list = []
+        self._open = False
+
+    @property
+    def context_max(self) -> int:
+        return self.shared.context_max
+
+    @property
+    def trust(self) -> float:
+        return self.shared.trust
+
+    def propose(self, context: Sequence[int], k: int) -> Optional[StoreMatch]:
+        with self.lock:
+            return self.shared.propose(context, k)
+
+    def checked(self, right: bool) -> None:
+        with self.lock:
+            self.shared.checked(right)
+
+    def begin_output(self, prompt: Sequence[int] = ()) -> None:
+        self._open = self.shared.learn
+        self._out = list(prompt[-self.context_max:])
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if self._open:
+            self._out.extend(tokens)
+
+    def end_output(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        out, self._out = self._out + [BREAK], []
+        with self.lock:
+            self.shared.keep(out)
+
+    def close(self) -> None:
+        self.end_output()

@@ -3,8 +3,9 @@
 Each slot is a whole Engine (its own requests, proposer, policy and random stream) whose context
 is a SeqContext, so every rule of a lone engine holds per slot: the same prefill grid, the same
 step, the same stop rules. What the slots share: the model, the llama_context (its decodes run
-in ticks that batch the slots' steps), the cost curve (measured once) and the prompt cache (a slot
-may start from a state another slot saved). Not the draft store: it follows one output at a time.
+in ticks that batch the slots' steps), the cost curve (measured once), the prompt cache (a slot
+may start from a state another slot saved) and the draft store (each slot's output joins it
+whole when it ends: learning_store.SlotView).
 
 The caller runs each slot's generations in its own thread (apps/http_worker.py,
 apps/protocol.py); a slot's engine is not thread-safe, the set is.
@@ -19,11 +20,15 @@ from typing import Callable, Optional, Union
 
 from ..errors import LocalspecError
 from ..llama import Model, batch_invariant_rows
+from ..llama.exact_rows import exact_rows_settable
 from ..llama.slots import SharedContext, slot_size
+from ..policy.config import K_LIMIT
 from .config import EngineConfig
 from .drafting import Drafting
 from .engine import Engine
-from .factory import context_params, load_model, make_cache, make_proposer
+from .factory import (context_params, load_model, make_cache, make_proposer,
+                      make_store)
+from .learning_store import SlotView
 
 MAX_SLOTS = 16          # more would leave each slot a sliver of the invariant batch (31 rows)
 
@@ -91,19 +96,26 @@ class Slots:
         self._own_model = own
         self.engines: list = []
         self.shared = None
+        self.store = None                # the draft store the slots share (LearningStore)
         try:
-            if row_cap is None:      # the rows a tick's steps take together: under the
-                invariant = batch_invariant_rows()     # invariant limit, or many off the CPU
-                row_cap = invariant - 1 if invariant else 64
+            if row_cap is None:      # the rows a tick's steps take together: a full-length
+                invariant = batch_invariant_rows()     # draft beside every other slot's row,
+                row_cap = K_LIMIT + n if not invariant or exact_rows_settable() \
+                    else invariant - 1                 # or under an unmovable invariant limit
             self.shared = SharedContext(self.model, context_params(config), n, row_cap)
             # A shared tick's time is not one slot's cost: the curve stays as measured alone.
-            # The draft store keeps one output at a time (begin/add/end): slots go without it.
+            # The draft store is one, shared: each slot's output joins it whole at its end.
             slot_config = replace(config, refit_cost=False, cache_mb=0, store=False)
             cache = make_cache(config, self.model)
             shared_cache = _LockedCache(cache) if cache is not None else None
+            if config.proposer == "ngram":
+                self.store = make_store(config, self.model)
+            store_lock = threading.Lock()
             drafting = Drafting(slot_config, progress)
             for i in range(n):
                 proposer = make_proposer(slot_config, self.model)
+                if self.store is not None and proposer is not None:
+                    proposer.store = SlotView(self.store, store_lock)
                 engine = Engine(self.model, slot_config, progress, proposer=proposer,
                                 context=self.shared.slots[i])
                 engine.cache = shared_cache
@@ -132,6 +144,9 @@ class Slots:
         for engine in self.engines:
             engine.close()
         self.engines = []
+        if self.store is not None:       # after the engines: their last outputs are in it
+            self.store.close()
+            self.store = None
         if self.shared is not None:
             self.shared.close()
         if self._own_model and self.model is not None:

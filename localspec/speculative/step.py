@@ -29,9 +29,12 @@ class StepResult:
 
 
 def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
-         stream: PositionStream, out_pos: int, tie_margin: float = 0.0) -> StepResult:
+         stream: PositionStream, out_pos: int, tie_margin: float = 0.0,
+         survival: Sequence[float] = ()) -> StepResult:
     """Verify `proposal.tokens` (k drafts, maybe none) after `history`; `out_pos` is the output
-    position of the first of them (what the random stream is indexed by).
+    position of the first of them (what the random stream is indexed by). `survival`: each
+    draft's predicted chance of being reached and accepted; a slot's shared tick may verify
+    fewer drafts than proposed by it (ctx.verify_rows), and the step then checks those.
 
     KV invariant: before, the cache holds every token of `history` but the last; after, it holds
     every token of history + emitted but the last emitted one (which the next step decodes).
@@ -40,12 +43,15 @@ def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
     tie_margin > 0 (greedy only): a row whose top-2 logit gap is below it is not trusted.
     """
     clock = time.perf_counter
-    drafts, n_past = list(proposal.tokens), ctx.n_past
+    drafts, n_past, p_draft = list(proposal.tokens), ctx.n_past, proposal.p_draft
     decode_start = clock()
-    rows = ctx.decode([history[-1], *drafts], logits="all")   # [k + 1, n_vocab] float32
+    rows = ctx.verify_rows([history[-1], *drafts], survival)   # [k + 1, n_vocab] float32
     decode_end = clock()
+    if len(rows) <= len(drafts):          # the tick kept fewer rows: fewer drafts to check
+        drafts = drafts[:len(rows) - 1]
+        p_draft = p_draft[:len(drafts)] if p_draft is not None else None
     recent = sampling.penalty_window(history)
-    verdict = verify(drafts, proposal.p_draft,
+    verdict = verify(drafts, p_draft,
                      lambda i: target_dist(rows[i], sampling, recent + drafts[:i]), stream, out_pos)
     emitted, kept = verdict.emitted(drafts), verdict.n_accepted
     tie = near_tie(rows, kept, sampling, recent, drafts, tie_margin) if drafts else None
