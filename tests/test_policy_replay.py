@@ -308,3 +308,27 @@ def test_replay_script_shortfall_watches_without_changing_a_decision():
         for line in missed:
             n, right, saved = line.split()[-4:-1]
             assert int(n) >= int(right) >= 0 and float(saved) >= 0
+
+
+def test_concurrent_sessions_emit_every_token_and_a_plain_tick_costs_one_pass():
+    """tools/slots_replay.py: two clients through two cases (one copies its source, one does
+    not), every rule emits each recorded token once; a plain tick costs one pass of its rows;
+    drafting the copy costs less than decoding it plainly."""
+    from tools import slots_replay as sr
+    source = [(37 * i + 11) % 500 + 3 for i in range(120)]
+    copy = synthetic([1, 2] + source, source[:100])
+    fresh = synthetic([4, 5, 6], [(11 * i + 7) % 400 + 600 for i in range(60)])
+    curve = rp.extend_curve(EPYC, 64)
+    make = policies(curve)["new"]
+    tokens = 2 * (len(copy.out) - 1 + len(fresh.out) - 1)
+    results = {rule: sr.replay_slots([copy, fresh], make, curve, 2, rule, 66)
+               for rule in sr.RULES}
+    assert all(r["tokens"] == tokens for r in results.values())
+    plain = results["plain"]
+    assert plain["rows"] == tokens and plain["drafted"] == 0
+    # a plain tick is one pass of its busy slots' rows (two, or one once a client is done)
+    assert plain["ticks"] * curve[0] < plain["cost"] <= plain["ticks"] * (curve[1] + 0.004)
+    for rule in ("rest", "trim"):
+        assert results[rule]["cost"] < plain["cost"]               # the copy pays
+        assert results[rule]["accepted"] <= results[rule]["drafted"]
+    assert sr.shared_curve([1.0, 1.5, 2.0, 2.4], 2)[1] == pytest.approx(2.2)

@@ -18,10 +18,10 @@ Rules (`--rules`):
 - share: each slot drafts as a lone request would, within an equal share of 31 rows
   (31 // busy - 1 drafts): the rule before this tool;
 - rest: within the rows the others leave (row_cap - busy), the lone choice otherwise;
-- trim: rest's choices, then cut where that raises the tick's expected tokens per unit of cost
-  (llama/batch_shape.py's trim over each slot's policy.survival());
-- tick: the shipped rule: trim, and each slot's policy believes what its drafts add to a tick
-  of that many busy slots (policy/costmodel.py's shared_curve, speculative/drafting.py);
+- trim: the shipped rule: rest's choices, then cut where that raises the tick's expected tokens
+  per unit of cost (llama/batch_shape.py's trim over each slot's policy.survival());
+- priced: trim, and each slot's policy believes what its drafts add to a tick of that many
+  busy slots (shared_curve() below; tried, not shipped: it starves copies from the draft store);
 - plain: no drafts (batching alone).
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))            # the repository
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -38,17 +38,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from tools import replay as rp  # noqa: E402
 from localspec.llama.batch_shape import Step, tick_cost, trim  # noqa: E402
 from localspec.policy.config import K_LIMIT  # noqa: E402
-from localspec.policy.costmodel import CostConfig, CostModel, shared_curve  # noqa: E402
+from localspec.policy.costmodel import CostConfig, CostModel  # noqa: E402
+from localspec.speculative.learning_store import LearningStore  # noqa: E402
+from localspec.speculative.store import DraftStore, max_tokens_for  # noqa: E402
 
-RULES = ("share", "rest", "trim", "tick", "plain")
+RULES = ("share", "rest", "trim", "priced", "plain")
 HERE_MODEL = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 SHARE_CAP = 31        # the rows a tick took together before (the invariant kernels' old limit)
 
 
+def shared_curve(ratios: Sequence[float], busy: int) -> list:
+    """Rule `priced` (tried, not shipped): r_B(k) for one slot of a shared context while `busy` slots step together: what its k
+    drafts add to a tick in which the others step plainly (their rows one pass, r(busy - 1)),
+    in units of one slot's share of that plain tick. The drafts either take a pass of their
+    own (llama.cpp splits unequal steps: r(k - 1)) or every slot is padded to k + 1 rows, the
+    cheaper. busy < 2: the curve itself.
+
+    >>> [round(r, 2) for r in shared_curve([1.0, 1.5, 2.0, 2.4], 2)]
+    [1.0, 2.2, 3.0, 3.67]
+    """
+    if busy < 2:
+        return list(ratios)
+    plain = ratios[busy - 1]
+    out = [1.0]
+    for k in range(1, len(ratios)):
+        extra = ratios[k - 1]
+        if busy * (k + 1) <= len(ratios):
+            extra = min(extra, ratios[busy * (k + 1) - 1] - plain)
+        out.append(1.0 + extra * busy / plain)
+    return out
+
+
+def new_store() -> LearningStore:
+    """An empty draft store in memory (a server's first request): outputs join it as they end."""
+    return LearningStore(DraftStore(max_tokens_for(64)), None, learn=False)
+
+
 def replay_slots(cases: Sequence[rp.Recorded], make_policy: Callable, curve: Sequence[float],
-                 clients: int, rule: str, row_cap: int, propose_cost: float = 0.002) -> dict:
+                 clients: int, rule: str, row_cap: int, propose_cost: float = 0.002,
+                 store: bool = False) -> dict:
     """Totals of the concurrent run under `rule`: tokens, cost (one-token decodes), ticks,
-    rows, and drafts verified, accepted and predicted to be (survival, before any cut)."""
+    rows, and drafts verified, accepted and predicted to be (survival, before any cut). With
+    `store`, the slots share a draft store that every output joins when it ends."""
+    shared = new_store() if store else None
+
     def cost(n: int) -> float:
         return curve[n - 1] if n <= len(curve) else \
             curve[-1] + (curve[-1] - curve[-2]) * (n - len(curve))
@@ -61,13 +94,14 @@ def replay_slots(cases: Sequence[rp.Recorded], make_policy: Callable, curve: Seq
         for c in range(clients):
             if (runs[c] is None or runs[c].done) and queues[c]:
                 if runs[c] is not None:
-                    runs[c].close()
-                runs[c] = rp.CaseRun(queues[c].pop(0), make_policy, tie_margin=0.0)
+                    _end(runs[c], shared)
+                runs[c] = rp.CaseRun(queues[c].pop(0), make_policy, tie_margin=0.0,
+                                     store=shared)
         busy = [c for c in range(clients) if runs[c] is not None and not runs[c].done]
         if not busy:
             break
         room = {"share": cap // len(busy) - 1, "plain": 0}.get(rule, cap - len(busy))
-        if rule == "tick" and len(busy) > 1:          # speculative/drafting.py's price()
+        if rule == "priced" and len(busy) > 1:        # each slot believes shared_curve()
             model = priced.get(len(busy))
             if model is None:
                 model = priced[len(busy)] = CostModel(shared_curve(curve, len(busy)),
@@ -77,7 +111,7 @@ def replay_slots(cases: Sequence[rp.Recorded], make_policy: Callable, curve: Seq
         props = {c: runs[c].propose(min(room, K_LIMIT)) if room > 0 else (None, [])
                  for c in busy}
         worth = {c: runs[c].survival(f, len(d)) for c, (f, d) in props.items()}
-        if rule in ("trim", "tick") and len(busy) > 1:  # SharedContext._trim
+        if rule in ("trim", "priced") and len(busy) > 1:    # SharedContext._trim
             kept = trim({c: Step(len(d), worth[c]) for c, (f, d) in props.items()}, cost, cap)
             props = {c: (f, d[:kept[c]]) for c, (f, d) in props.items()}
         lengths = {c: len(d) + 1 for c, (f, d) in props.items()}
@@ -94,19 +128,37 @@ def replay_slots(cases: Sequence[rp.Recorded], make_policy: Callable, curve: Seq
                 tot["expected"] += sum(worth[c][:len(d)])
     for r in runs:
         if r is not None:
-            r.close()
+            _end(r, shared)
+    if shared is not None:
+        shared.close()
     return tot
 
 
+def _end(run: rp.CaseRun, store: Optional[LearningStore]) -> None:
+    run.close()
+    if store is not None:
+        store.remember(run.case.out, run.case.prompt)
+
+
 def lone_cost(cases: Sequence[rp.Recorded], make_policy: Callable, curve: Sequence[float],
-              propose_cost: float = 0.002) -> tuple:
-    """(tokens, cost) of every case once, one request at a time, as replay_case runs them."""
+              clients: int, propose_cost: float = 0.002, store: bool = False) -> tuple:
+    """(tokens, cost) of the clients' requests one at a time, as replay_case runs them: in
+    the order a one-slot server answers them (each client's first, then each one's second...),
+    with `store` a draft store every output joins when it ends."""
+    queues = [list(cases[c % len(cases):]) + list(cases[:c % len(cases)]) for c in range(clients)]
+    shared = new_store() if store else None
     tokens, total = 0, 0.0
-    for c in cases:
-        s = rp.replay_case(c, make_policy, curve, k_max=K_LIMIT, tie_margin=0.0,
-                           propose_cost=propose_cost)
-        tokens += len(c.out) - 1
-        total += (len(c.out) - 1) / s.speedup
+    for i in range(len(cases)):
+        for q in queues:
+            c = q[i]
+            s = rp.replay_case(c, make_policy, curve, k_max=K_LIMIT, tie_margin=0.0,
+                               propose_cost=propose_cost, store=shared)
+            if shared is not None:
+                shared.remember(c.out, c.prompt)
+            tokens += len(c.out) - 1
+            total += (len(c.out) - 1) / s.speedup
+    if shared is not None:
+        shared.close()
     return tokens, total
 
 
@@ -122,6 +174,9 @@ def main(argv=None) -> int:
                     help="named curves (tools/llamacpp_replay.py) or `here`: this machine's "
                          "newest calibration of the default model with 2 threads")
     ap.add_argument("--verbose", action="store_true", help="each rule's counts too")
+    ap.add_argument("--store", action="store_true",
+                    help="a draft store, empty at the start, that every output joins when it "
+                         "ends (one at a time and the slots alike)")
     ap.add_argument("--rules", default=",".join(RULES))
     ap.add_argument("--row-cap", type=int, default=K_LIMIT + 4,
                     help="rows a tick's steps take in one batch (rules rest, tick)")
@@ -142,11 +197,12 @@ def main(argv=None) -> int:
         curve = CURVES[name][0] if name != "here" else rp.extend_curve(
             rp.calibrated_curve(HERE_MODEL, 2)[0], K_LIMIT)
         make = localspec_policy(curve, K_LIMIT)
-        tok, cost = lone_cost(cases, make, curve)
+        tok, cost = lone_cost(cases, make, curve, a.clients, store=a.store)
         cells = [f"{tok / cost:.3f}"]
         slot_make = localspec_policy(curve, K_LIMIT, {"cost.online": False})
         for rule in a.rules.split(","):
-            r = replay_slots(cases, slot_make, curve, a.clients, rule, a.row_cap)
+            r = replay_slots(cases, slot_make, curve, a.clients, rule, a.row_cap,
+                             store=a.store)
             cells.append(f"{r['tokens'] / r['cost']:.3f}")
             if a.verbose:
                 print(f"{name} {rule}: " + ", ".join(f"{k} {v:.0f}" for k, v in r.items()))

@@ -186,28 +186,6 @@ JITTER_MS = 1.0         # one-token decodes faster than this (tiny models) are t
                         # timing refines their curve
 
 
-def shared_curve(ratios: Sequence[float], busy: int) -> list:
-    """r_B(k) for one slot of a shared context while `busy` slots step together: what its k
-    drafts add to a tick in which the others step plainly (their rows one pass, r(busy - 1)),
-    in units of one slot's share of that plain tick. The drafts either take a pass of their
-    own (llama.cpp splits unequal steps: r(k - 1)) or every slot is padded to k + 1 rows, the
-    cheaper. busy < 2: the curve itself.
-
-    >>> [round(r, 2) for r in shared_curve([1.0, 1.5, 2.0, 2.4], 2)]
-    [1.0, 2.2, 3.0, 3.67]
-    """
-    if busy < 2:
-        return list(ratios)
-    plain = ratios[busy - 1]
-    out = [1.0]
-    for k in range(1, len(ratios)):
-        extra = ratios[k - 1]
-        if busy * (k + 1) <= len(ratios):
-            extra = min(extra, ratios[busy * (k + 1) - 1] - plain)
-        out.append(1.0 + extra * busy / plain)
-    return out
-
-
 @dataclass(frozen=True)
 class Stability:
     rounds: int

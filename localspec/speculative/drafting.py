@@ -13,7 +13,7 @@ from ..llama import Context
 from ..policy.adaptive import AdaptivePolicy
 from ..policy.calibrate import first_run_budget, load_or_measure
 from ..policy.config import PolicyConfig
-from ..policy.costmodel import CostConfig, CostModel, shared_curve
+from ..policy.costmodel import CostConfig, CostModel
 from ..policy.draft_estimate import DraftPolicy
 from .config import EngineConfig
 from .factory import fit_to_device
@@ -29,7 +29,6 @@ class Drafting:
         self.cost: Optional[CostModel] = None   # learns this machine across requests
         self._draft_cost = 0.0
         self._measuring = threading.Lock()      # slots sharing this object measure once
-        self._shared: dict = {}                 # busy slots -> the curve a slot believes then
 
     def policy(self, ctx: Context, proposer: Proposer, override: Optional[PolicyConfig] = None
                ) -> tuple:
@@ -62,19 +61,3 @@ class Drafting:
         self.cost = CostModel(curve.ratios, curve.ms_per_step,
                               CostConfig(online=self.config.refit_cost), noisy=rough)
         self._draft_cost = proposer.draft_cost(curve, self._progress)
-
-    def price(self, policy: AdaptivePolicy, busy: int) -> None:
-        """Point a slot's policy at what its drafts cost while `busy` slots step together
-        (costmodel.shared_curve: a draft that needs a pass of its own beside plain steps costs
-        more than alone, where those plain steps ride one pass); alone, the measured curve. Its
-        loss budget, gain threshold and guard then all judge by that curve."""
-        if self.cost is None or policy.config.fixed_k is not None:
-            return
-        if busy < 2:
-            policy.cost = self.cost
-            return
-        model = self._shared.get(busy)
-        if model is None:
-            model = self._shared[busy] = CostModel(shared_curve(self.cost.ratios(), busy),
-                                                   config=CostConfig(online=False))
-        policy.cost = model

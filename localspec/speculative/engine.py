@@ -249,12 +249,10 @@ class Engine:
         policy observe it."""
         started = time.perf_counter()
         room = min(self.ctx.n_ctx - self.ctx.n_past - 1, self.ctx.draft_room())
-        busy, survival = self.ctx.stepping(), ()
-        if req.policy is not None:       # a slot's drafts are priced beside the others' steps
-            self.drafting.price(req.policy, busy)
         proposal = self._propose(req.policy, room) \
             if req.policy is not None and room > 0 and not req.recheck else EMPTY
-        if busy > 1 and proposal.tokens and proposal.features is not None:
+        survival = ()             # a slot's drafts: what each is worth to its shared tick
+        if proposal.tokens and proposal.features is not None and self.ctx.stepping() > 1:
             survival = req.policy.survival(proposal.features, len(proposal.tokens))
         propose_ms = 1000 * (time.perf_counter() - started)
         result = step(self.ctx, proposal, req.sampling, req.history, req.stream,

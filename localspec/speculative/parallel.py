@@ -78,10 +78,10 @@ def row_cost(ratios: list):
 
 class Slots:
     """`n` engines over one model and one shared context. `engines[i]` runs slot i's requests;
-    close() frees them, the context and the model (when it was loaded here). `row_cap`: the
-    most rows the slots' steps take in one batch (default: under the batch-invariant limit,
-    31; more needs a ggml-cpu that raises that limit at run time, which each wider batch
-    then does)."""
+    close() frees them, the context, the shared draft store and the model (when it was loaded
+    here). `row_cap`: the most rows the slots' steps take in one batch (default K_LIMIT + n:
+    a full-length draft beside every other slot's row, each such batch raising the batch-
+    invariant limit for itself; 31 where the limit cannot move, a ggml-cpu before patch 0009)."""
 
     def __init__(self, target: Union[str, os.PathLike, Model], config: EngineConfig, n: int,
                  progress: Optional[Callable[[str], None]] = None, row_cap: Optional[int] = None):
