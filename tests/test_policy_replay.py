@@ -327,7 +327,7 @@ def test_concurrent_sessions_emit_every_token_and_a_plain_tick_costs_one_pass():
     plain = results["plain"]
     assert plain["rows"] == tokens and plain["drafted"] == 0
     # a plain tick is one pass of its busy slots' rows (two, or one once a client is done)
-    assert plain["ticks"] * curve[0] < plain["cost"] <= plain["ticks"] * (curve[1] + 0.004)
+    assert plain["ticks"] * curve[0] < plain["cost"] <= plain["ticks"] * (curve[1] + 0.004) + 1e-6
     for rule in ("rest", "trim"):
         assert results[rule]["cost"] < plain["cost"]               # the copy pays
         assert results[rule]["accepted"] <= results[rule]["drafted"]
