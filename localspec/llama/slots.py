@@ -9,8 +9,10 @@ of work:
 - a prompt chunk runs alone, in exactly the llama_decode a lone context would run for it (same
   tokens, positions and batch shape), so its rows are a lone prefill's bit for bit;
 - the steps ([last] + drafts) of every decoding slot run together, in batches of at most
-  `row_cap` rows (the batch-invariant kernels' limit: every row of such a batch equals a
-  one-token decode, docs/exactness.md), so a step's rows are what its lone run computes.
+  `row_cap` rows, each under a batch-invariant limit raised past its size (every row of such
+  a batch equals a one-token decode, docs/exactness.md), so a step's rows are what its lone
+  run computes; before they run, drafts that would cost the tick more than they bring are
+  cut (batch_shape.trim), and the cut step gets the rows it kept.
 
 The KV cache is not unified: each sequence has its own buffer, filled from cell 0 as a lone
 context fills it, so attention sums run over its cells in the same order. llama.cpp then splits

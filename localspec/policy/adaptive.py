@@ -18,7 +18,8 @@ from .config import GuardConfig, PolicyConfig
 from .costmodel import CostModel
 from .draft_estimate import DraftPolicy
 
-TRACK_PRIOR = 4.0   # survival(): pseudo-drafts, predicted and accepted alike, a request starts with
+TRACK_PRIOR = 4.0   # survival(): pseudo-drafts, predicted and accepted alike, each request
+                    # starts with (its first drafts are weighed as predicted)
 PLAIN_EMA = 0.8     # the guard's plain-step time: the last ~5 plain steps of the request
 
 

@@ -30,7 +30,8 @@ from .factory import (context_params, load_model, make_cache, make_proposer,
                       make_store)
 from .learning_store import SlotView
 
-MAX_SLOTS = 16          # more would leave each slot a sliver of the invariant batch (31 rows)
+MAX_SLOTS = 16          # each slot is a thread and a KV buffer, and a tick waits for every
+                        # busy one: more than 16 would serve no CPU this runs on
 
 
 def check_parallel(n: int, n_ctx: int) -> None:
