@@ -3,7 +3,8 @@ shared context (`serve --parallel N`, localspec/llama/slots.py), each slot draft
 policy, and what a rule for drafting under a shared batch gives over one request at a time.
 
     python tools/slots_replay.py data/recordings/policy_heldout_zen4.json [more.json ...]
-        [--cases ID,ID,...] [--clients 4] [--curves zen4,zen3,xeon,spr] [--rules share,tick]
+        [--cases ID,ID,...] [--kinds code-edit] [--clients 4] [--curves zen4,zen3,xeon,spr,here]
+        [--rules share,rest,trim,priced,plain] [--store] [--verbose]
 
 The workload is scripts/bench_parallel.py's throughput scenario: `--clients` clients at once,
 each through every case in turn, rotated so that they start on different ones; a slot per
@@ -48,11 +49,11 @@ SHARE_CAP = 31        # the rows a tick took together before (the invariant kern
 
 
 def shared_curve(ratios: Sequence[float], busy: int) -> list:
-    """Rule `priced` (tried, not shipped): r_B(k) for one slot of a shared context while `busy` slots step together: what its k
-    drafts add to a tick in which the others step plainly (their rows one pass, r(busy - 1)),
-    in units of one slot's share of that plain tick. The drafts either take a pass of their
-    own (llama.cpp splits unequal steps: r(k - 1)) or every slot is padded to k + 1 rows, the
-    cheaper. busy < 2: the curve itself.
+    """Rule `priced` (tried, not shipped): r_B(k) for one slot of a shared context while `busy`
+    slots step together, what its k drafts add to a tick in which the others step plainly
+    (their rows one pass, r(busy - 1)), in units of one slot's share of that plain tick. The
+    drafts either take a pass of their own (llama.cpp splits unequal steps: r(k - 1)) or every
+    slot is padded to k + 1 rows, the cheaper. busy < 2: the curve itself.
 
     >>> [round(r, 2) for r in shared_curve([1.0, 1.5, 2.0, 2.4], 2)]
     [1.0, 2.2, 3.0, 3.67]
@@ -179,8 +180,13 @@ def main(argv=None) -> int:
                          "ends (one at a time and the slots alike)")
     ap.add_argument("--rules", default=",".join(RULES))
     ap.add_argument("--row-cap", type=int, default=K_LIMIT + 4,
-                    help="rows a tick's steps take in one batch (rules rest, tick)")
+                    help="rows a tick's steps take in one batch (rules rest, trim, priced)")
     a = ap.parse_args(argv)
+    bad = [r for r in a.rules.split(",") if r not in RULES] + \
+        [c for c in a.curves.split(",") if c not in CURVES and c != "here"]
+    if bad:
+        ap.error(f"unknown rule or curve {bad[0]!r}: rules {', '.join(RULES)}; curves "
+                 f"{', '.join(CURVES)}, here")
     cases = [c for path in a.recordings for c in rp.load(path)]
     if a.cases:
         want = a.cases.split(",")
