@@ -77,16 +77,18 @@ def greedy_verify(rows: np.ndarray, drafts: Sequence[int], sampling: SamplingPar
 
 
 def greedy_step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
-                stream: PositionStream, out_pos: int, tie_margin: float = 0.0) -> StepResult:
+                stream: PositionStream, out_pos: int, tie_margin: float = 0.0,
+                survival: Sequence[float] = ()) -> StepResult:
     """step.step's contract and result, verified by greedy_verify. Sampled decoding and drafts
     with probabilities (a draft model sampling) go to step.step unchanged."""
     if not sampling.greedy or proposal.p_draft is not None:
-        return step(ctx, proposal, sampling, history, stream, out_pos, tie_margin)
+        return step(ctx, proposal, sampling, history, stream, out_pos, tie_margin, survival)
     clock = time.perf_counter
     drafts, n_past = list(proposal.tokens), ctx.n_past
     t1 = clock()
-    rows = ctx.decode([history[-1], *drafts], logits="all")   # [k + 1, n_vocab] float32 view
+    rows = ctx.verify_rows([history[-1], *drafts], survival)   # [k + 1, n_vocab] float32
     t2 = clock()
+    drafts = drafts[:len(rows) - 1]       # a shared tick may have kept fewer rows
     verdict = greedy_verify(rows, drafts, sampling, sampling.penalty_window(history), tie_margin)
     rolled_back = ctx.truncate(n_past + 1 + verdict.kept)
     return StepResult(verdict.emitted(drafts), len(drafts), verdict.n_accepted,
