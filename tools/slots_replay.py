@@ -70,6 +70,11 @@ def shared_curve(ratios: Sequence[float], busy: int) -> list:
     return out
 
 
+def client_queues(cases: Sequence[rp.Recorded], clients: int) -> list:
+    """Each client's requests: every case, rotated so that client c starts on case c."""
+    return [list(cases[c % len(cases):]) + list(cases[:c % len(cases)]) for c in range(clients)]
+
+
 def new_store() -> LearningStore:
     """An empty draft store in memory (a server's first request): outputs join it as they end."""
     return LearningStore(DraftStore(max_tokens_for(64)), None, learn=False)
@@ -86,7 +91,7 @@ def replay_slots(cases: Sequence[rp.Recorded], make_policy: Callable, curve: Seq
     def cost(n: int) -> float:
         return curve[n - 1] if n <= len(curve) else \
             curve[-1] + (curve[-1] - curve[-2]) * (n - len(curve))
-    queues = [list(cases[c % len(cases):]) + list(cases[:c % len(cases)]) for c in range(clients)]
+    queues = client_queues(cases, clients)
     runs: list = [None] * clients
     priced: dict = {}                # busy slots -> the curve a slot believes (rule tick)
     tot = dict(tokens=0, cost=0.0, ticks=0, rows=0, drafted=0, accepted=0, expected=0.0)
@@ -98,6 +103,7 @@ def replay_slots(cases: Sequence[rp.Recorded], make_policy: Callable, curve: Seq
                     _end(runs[c], shared)
                 runs[c] = rp.CaseRun(queues[c].pop(0), make_policy, tie_margin=0.0,
                                      store=shared)
+                runs[c].policy.tracking = True              # as the engine does for a slot
         busy = [c for c in range(clients) if runs[c] is not None and not runs[c].done]
         if not busy:
             break
@@ -146,7 +152,7 @@ def lone_cost(cases: Sequence[rp.Recorded], make_policy: Callable, curve: Sequen
     """(tokens, cost) of the clients' requests one at a time, as replay_case runs them: in
     the order a one-slot server answers them (each client's first, then each one's second...),
     with `store` a draft store every output joins when it ends."""
-    queues = [list(cases[c % len(cases):]) + list(cases[:c % len(cases)]) for c in range(clients)]
+    queues = client_queues(cases, clients)
     shared = new_store() if store else None
     tokens, total = 0, 0.0
     for i in range(len(cases)):

@@ -98,6 +98,15 @@ def best_draft(p: Sequence[float], r: Sequence[float]) -> tuple:
     return best_k, best
 
 
+def _survivals(probs: Sequence[float], scale: float = 1.0) -> tuple:
+    """Running products scale x p_0, scale x p_0 p_1, ...: the chance drafts 0..j all pass."""
+    out, run = [], scale
+    for p in probs:
+        run *= p
+        out.append(run)
+    return tuple(out)
+
+
 class AdaptivePolicy:
     """One request's policy. The step calls, in order:
     start() after prefill; per step the proposer calls choose_draft(features), then the
@@ -116,6 +125,7 @@ class AdaptivePolicy:
         self._seen = (None, None)   # the last proposal predicted, and its base logits
         self._plain_ms: Optional[float] = None   # this request's plain steps, smoothed
         self._predicted = self._got = 0.0        # drafts predicted accepted / accepted
+        self.tracking = False                    # keep survival()'s tally (a slot's request)
 
     def start(self) -> None:
         """A new request: nothing is known about its text yet."""
@@ -138,13 +148,11 @@ class AdaptivePolicy:
         """For j < n: the chance that draft positions 0..j are all accepted, as predicted and
         then scaled down by how this request's drafts have fared against such predictions so
         far (a shared tick weighs a slot's drafts by it, and the predictions are confident
-        where a copy is edited line by line). The step's own choice is left as it was."""
+        where a copy is edited line by line). The step's own choice is left as it was. The
+        tally is kept only where `tracking` is set (a slot's request): lone steps skip it."""
         scale = min(1.0, (self._got + TRACK_PRIOR) / (self._predicted + TRACK_PRIOR))
-        out, run = [], scale
-        for p in self.acceptance.probs(self.acceptance.base_logits(f, n, self.state)):
-            run *= p
-            out.append(run)
-        return tuple(out)
+        return _survivals(self.acceptance.probs(self.acceptance.base_logits(f, n, self.state)),
+                          scale)
 
     def _logits(self, f: DraftFeatures, depth: Optional[int] = None) -> list:
         """The proposal's prior logits of its first `depth` positions (None: all it may draft),
@@ -221,7 +229,8 @@ class AdaptivePolicy:
         if f is not None and len(f.tokens):
             base = self._seen[1] if self._seen[0] is f else None
             if k:
-                self._track(f, k, n_accepted, base)
+                if self.tracking:     # a slot's request: survival() scales by this tally
+                    self._track(f, k, n_accepted, base)
                 self.acceptance.observe(f, k, n_accepted, self.state, base)
             elif emitted:             # not drafted: plain decoding says what it would have scored
                 self.acceptance.observe(f, 1, int(f.tokens[0] == emitted[0]), self.state, base)
@@ -237,10 +246,7 @@ class AdaptivePolicy:
         ones to the request's totals, which survival() scales its predictions by."""
         if base is None or len(base) < k:
             base = self.acceptance.base_logits(f, k, self.state)
-        run = 1.0
-        for p in self.acceptance.probs(base[:k]):
-            run *= p
-            self._predicted += run
+        self._predicted += sum(_survivals(self.acceptance.probs(base[:k])))
         self._got += n_accepted
 
     def _plain_reference(self) -> float:

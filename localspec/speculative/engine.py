@@ -99,6 +99,8 @@ class Engine:
         rules = None
         if speculate:    # the first policy may drop a draft model that cannot pay here
             rules, self.proposer = self._policy_for(policy)
+            if rules is not None and not self.ctx.timed:   # a slot: its ticks weigh drafts
+                rules.tracking = True                      # by survival(), kept per request
         guard = self.config.tie_margin if sampling.greedy and not self.trusts_batches else 0.0
         req = Request(sampling, PositionStream(seed), rules, list(prompt_tokens), guard)
         if rules is not None:

@@ -89,9 +89,7 @@ class LearningStore:
         if not self._open:
             return
         self._open = False
-        self.memory.extend([BREAK])
-        self._pending.append(BREAK)
-        self.flush()
+        self.keep([BREAK])
 
     def remember(self, tokens: Sequence[int], prompt: Sequence[int] = ()) -> None:
         """Add one finished output (after the end of its prompt) at once: the bench and the
@@ -100,8 +98,8 @@ class LearningStore:
         self.memory.extend(list(prompt[-self.context_max:]) + list(tokens) + [BREAK])
 
     def keep(self, tokens: Sequence[int]) -> None:
-        """Add one whole output (prompt tail, tokens, BREAK already in it), as a learning run
-        does, and save it: a slot's output, kept aside while it ran (SlotView)."""
+        """Add tokens as a learning run does, and save: a request's closing BREAK, or a slot's
+        whole output (prompt tail, tokens, BREAK), kept aside while it ran (SlotView)."""
         if self.learn and tokens:
             self.memory.extend(tokens)
             self._pending.extend(tokens)
