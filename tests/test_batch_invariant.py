@@ -110,10 +110,11 @@ def test_every_row_of_a_verify_batch_equals_one_token_decodes_per_weight_type(
         random_smollm_path, n_prompt):
     """Q8_0 weights through patch 0007's shared-load tiles (llama.cpp's own build sends them to
     tinyBLAS from 2 rows), repacked Q4_0 through patch 0008's many-row gemv (llama.cpp's own: the
-    4-row gemm from 4 rows), F16 weights through patch 0006's tiles, Q4_K_M's repacked Q4_K
-    through patch 0003's gemm, its Q6_K through vec_dot and its Q5_0 through patch 0010's tiles,
-    Q5_0 weights through those tiles, BF16 and F32 weights through patch 0011's (tinyBLAS
-    upstream), repacked IQ4_NL and Q2_K through patches 0012 and 0028's many-row gemvs (the 4-row
+    4-row gemm from 4 rows), F16 weights through patch 0006's tiles (0034's folded groups with
+    AVX-512), Q4_K_M's repacked Q4_K through patches 0003/0032's gemm, its Q6_K through vec_dot
+    and its Q5_0 through tinyBLAS (patch 0033: its arithmetic is vec_dot's on AVX2 + FMA + F16C
+    builds; patch 0010's tiles elsewhere), Q5_0 weights likewise, BF16 and F32 weights through
+    patch 0011's tiles (tinyBLAS upstream), repacked IQ4_NL and Q2_K through patches 0012 and 0028's many-row gemvs (the 4-row
     gemm upstream), Q6_K and Q3_K through patches 0020 and 0027's tiles (the tiled K-quant matmul
     upstream from 8 rows): every row of 2..17-row
     batches is a one-token decode's bit for bit, after a short and a long context, on every core
