@@ -114,11 +114,11 @@ def test_every_row_of_a_verify_batch_equals_one_token_decodes_per_weight_type(
     AVX-512), Q4_K_M's repacked Q4_K through patches 0003/0032's gemm, its Q6_K through vec_dot
     and its Q5_0 through tinyBLAS (patch 0033: its arithmetic is vec_dot's on AVX2 + FMA + F16C
     builds; patch 0010's tiles elsewhere), Q5_0 weights likewise, BF16 and F32 weights through
-    patch 0011's tiles (tinyBLAS upstream), repacked IQ4_NL and Q2_K through patches 0012 and 0028's many-row gemvs (the 4-row
-    gemm upstream), Q6_K and Q3_K through patches 0020 and 0027's tiles (the tiled K-quant matmul
-    upstream from 8 rows): every row of 2..17-row
-    batches is a one-token decode's bit for bit, after a short and a long context, on every core
-    and on one."""
+    patch 0011's tiles (tinyBLAS upstream; 0034/0035's groups with AVX-512), repacked IQ4_NL
+    and Q2_K through patches 0012 and 0028's many-row gemvs (the 4-row gemm upstream), Q6_K and
+    Q3_K through patches 0020 and 0027's tiles (the tiled K-quant matmul upstream from 8 rows):
+    every row of 2..17-row batches is a one-token decode's bit for bit, after a short and a long
+    context, on every core and on one."""
     assert every_row_mismatch(random_smollm_path, n_prompt, threads=os.cpu_count() or 1) == []
     if n_prompt == 40:
         assert every_row_mismatch(random_smollm_path, n_prompt, threads=1) == []
