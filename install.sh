@@ -10,8 +10,8 @@
 #                                     LOCALSPEC_BACKEND=cpu|cuda|vulkan|metal (forces the backend;
 #                                     LOCALSPEC_CUDA=0/1 still works), LOCALSPEC_CUDA_ARCH,
 #                                     LOCALSPEC_HOME (cache),
-#                                     LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python source
-#                                     tree to build instead of PyPI's sdist: scripts/gpu_run.sh),
+#                                     LOCALSPEC_LLAMA_SRC (an unpacked llama-cpp-python source tree
+#                                     to build instead of PyPI's sdist: scripts/gpu/gpu_run.sh),
 #                                     LOCALSPEC_EXACT_LIBS=0 (no batch-invariant ggml-cpu for
 #                                     --exact: ~2 min less)
 set -euo pipefail
@@ -71,43 +71,35 @@ if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
   echo "$KEY" > "$VENV/.llama-build-key"
 fi
 # The batch-invariant libraries, llama_cpp/lib-exact: the wheel's own with a ggml-cpu built from
-# the same sdist and flags plus localspec's patches (patches/llama-cpp-python-VERSION/,
-# docs/exactness.md): every row of a verify batch then equals a one-token decode, bit for bit.
+# the same sdist and flags plus localspec's patch series (patches/llama-cpp-python-VERSION/,
+# applied by scripts/patch_series.py; docs/exactness.md, docs/build.md): every row of a verify
+# batch then equals a one-token decode, bit for bit.
 # Only ggml-cpu differs, so only it is compiled. --exact (LOCALSPEC_EXACT=1) loads it.
 # LOCALSPEC_EXACT_LIBS=0 skips it (--exact then refuses). A patch
 # that no longer applies stops the install with one line; a failed build warns and installs
 # without it. Runs in a subshell (quiet exits it): exit 3 means a patch did not apply.
 PATCHES=patches/llama-cpp-python-$LLAMA_CPP_PYTHON
-PKEY=$(cat "$PATCHES"/*.patch |
+PKEY=$(cat "$PATCHES"/series "$PATCHES"/*.patch |
   "$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:12])')
 INVARIANT="$WHEELS-invariant-$PKEY"
 build_invariant_cpu_lib() {
   src=$(mktemp -d); trap 'rm -rf "$src"' EXIT   # a subshell's globals: the trap still sees src
   echo "Building localspec's batch-invariant ggml-cpu (~2 min on 2 cores)..." >&2
   command -v cmake >/dev/null || quiet "installing cmake" "$VPY" -m pip install cmake
-  if [ -n "${LOCALSPEC_LLAMA_SRC:-}" ]; then      # the wheel's own source tree: patch a copy
-    quiet "copying the llama-cpp-python source" cp -a "$LOCALSPEC_LLAMA_SRC" "$src/tree"
-  else
-    quiet "downloading the llama-cpp-python source" "$VPY" -m pip download --no-deps \
-      --no-cache-dir -d "$src" "llama-cpp-python==$LLAMA_CPP_PYTHON"
-    quiet "unpacking the llama-cpp-python source" \
-      tar -xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
-    mv "$src"/llama_cpp_python-*/ "$src/tree"
+  # the pinned sdist (downloaded once into $HOME_DIR/sdist, its sha256 checked) or a copy of
+  # LOCALSPEC_LLAMA_SRC, with the series applied in order, without fuzz (docs/build.md)
+  local rc=0
+  LOCALSPEC_HOME="$HOME_DIR" "$VPY" scripts/patch_series.py apply "$src/tree" \
+    ${LOCALSPEC_LLAMA_SRC:+--source "$LOCALSPEC_LLAMA_SRC"} >>"$LOG" 2>&1 || rc=$?
+  if [ "$rc" = 3 ]; then
+    echo "install.sh: error: $(tail -n 1 "$LOG" | sed 's/^patch_series.py: error: //');" \
+         "or install with LOCALSPEC_EXACT_LIBS=0." >&2
+    exit 3
+  elif [ "$rc" != 0 ]; then
+    echo "install.sh: applying the patch series failed; full log: $LOG" >&2
+    tail -n 30 "$LOG" | sed 's/^/  | /' >&2
+    exit 1
   fi
-  local p apply check
-  if command -v patch >/dev/null; then
-    apply=(patch -p1 --forward --batch -d "$src/tree"); check=--dry-run
-  else
-    apply=(git -C "$src/tree" apply -p1); check=--check
-  fi
-  for p in "$PATCHES"/*.patch; do
-    if ! "${apply[@]}" "$check" < "$p" >>"$LOG" 2>&1; then
-      echo "install.sh: error: $p no longer applies to llama-cpp-python $LLAMA_CPP_PYTHON's" \
-           "source; refresh patches/ (docs/exactness.md) or install with LOCALSPEC_EXACT_LIBS=0." >&2
-      exit 3
-    fi
-    quiet "applying $p" "${apply[@]}" < "$p"
-  done
   # shellcheck disable=SC2086  # ARGS is a list of -D flags
   quiet "configuring the batch-invariant ggml-cpu" cmake -S "$src/tree" -B "$src/build" \
     -DCMAKE_BUILD_TYPE=Release -DLLAVA_BUILD=OFF $ARGS

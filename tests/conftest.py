@@ -17,7 +17,7 @@ from tinymodel import make_tiny_gguf
 
 # The device lane: tests marked `device` load their models with --gpu-layers -1 themselves
 # (tests/test_device.py) and run only when the marker expression names them (`pytest -m device`,
-# scripts/device_lane.sh on a GPU build); any other run deselects them, so a CPU run never loads
+# scripts/ci/device_lane.sh on a GPU build); any other run deselects them, so a CPU run never loads
 # a model onto a device it does not have. What they measure is printed in a "device report"
 # section above pytest's summary line.
 _device_report: list = []
@@ -42,8 +42,9 @@ def pytest_terminal_summary(terminalreporter):
 # What the suite's runs learn stays out of the user's cache: LOCALSPEC_HOME is a fresh folder for
 # the session (the draft store, prompt caches and crash reports of the tests go there), in which
 # the user's model, download and calibration folders are linked, so that models are pulled and
-# calibrated once per machine as before. Tests that need a home of their own set one.
-_SHARED = ("models", "downloads", "calibration", ".locks")
+# calibrated once per machine as before (and the llama-cpp-python sdist install.sh keeps, for
+# tests/test_patch_series.py). Tests that need a home of their own set one.
+_SHARED = ("models", "downloads", "calibration", ".locks", "sdist")
 
 
 @pytest.fixture(scope="session", autouse=True)

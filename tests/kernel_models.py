@@ -7,16 +7,16 @@ the cached catalog file's metadata (scripts/random_gguf.py spec), random weights
 type asked for (scripts/random_gguf.py make --type): Q8_0 gives 211 Q8_0 matrices, Q4_0 210 Q4_0
 ones (repacked 8x8 on x86) and a Q8_0 embedding/output, F16 211 F16 ones, each multiplied by
 the kernels that type gets (docs/exactness.md, "Per weight type"). Q4_K_M is the default model's
-mixture on this shape: 16 Q4_K ffn_down matrices (repacked 8x8 on x86, the 4-row gemm of patch
-0003), 14 Q6_K ones (the tiled K-quant matmul: from 8 rows upstream, from 32 patched), Q5_0
-where 576 columns are no multiple of 256 (tinyBLAS upstream, patch 0010's tiles), Q8_0 in some
-attn_v and the embedding. Q5_0 (patch 0010), BF16 and F32 (patch 0011) are every matrix in that
-type; IQ4_NL is 207 IQ4_NL matrices (repacked 8x8 on x86: patch 0012's many-row gemv), 3 Q5_K
-and a Q8_0 embedding/output. Q6_K gives 30 Q6_K ffn_down matrices (1536 columns, the only ones
-a multiple of 256: patch 0020's tiles) and Q8_0 for the rest; Q3_K_S 30 Q3_K ffn_down matrices
-(patch 0027's tiles) and repacked Q4_0 for the rest; Q2_K 30 Q2_K ffn_down matrices (pinned:
-repacked 8x8 on x86 with AVX-512, patch 0028's many-row gemv) and Q4_0 (repacked) for the rest;
-MXFP4 210 MXFP4 matrices (pinned: repacked 8x8, patch 0012's many-row gemv) and a Q8_0
+mixture on this shape: 16 Q4_K ffn_down matrices (repacked 8x8 on x86, patch 0003's rows),
+14 Q6_K ones (the tiled K-quant matmul from 8 rows upstream; patch 0008's tiles), Q5_0 where 576
+columns are no multiple of 256 (tinyBLAS, upstream and patched: 0002), Q8_0 in some attn_v and
+the embedding. Q5_0, BF16 and F32 (patch 0006) are every matrix in that type; IQ4_NL is 207
+IQ4_NL matrices (repacked 8x8 on x86: patch 0004's many-row gemv), 3 Q5_K and a Q8_0
+embedding/output. Q6_K gives 30 Q6_K ffn_down matrices (1536 columns, the only ones a multiple
+of 256: patch 0008's tiles) and Q8_0 for the rest; Q3_K_S 30 Q3_K ffn_down matrices (0008's
+tiles) and repacked Q4_0 for the rest; Q2_K 30 Q2_K ffn_down matrices (pinned: repacked 8x8 on
+x86 with AVX-512, patch 0005's many-row gemv) and Q4_0 (repacked) for the rest; MXFP4 210 MXFP4
+matrices (pinned: repacked 8x8, patch 0004's many-row gemv) and a Q8_0
 embedding/output. Made once per test session in a temporary folder (about 140, 90, 260, 100,
 100, 260, 520, 90, 140, 90, 90 and 90 MB; 10-60 s each).
 """

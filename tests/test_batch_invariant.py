@@ -4,9 +4,9 @@ output token for token with no near-tie guard, greedy or seeded (docs/exactness.
 of libraries is per process: these tests skip in a process that loaded llama.cpp's own
 (LOCALSPEC_EXACT=0, or no lib-exact), and tests/test_exact_libs.py then runs them in one that
 asked for the patched copy (LOCALSPEC_EXACT=1). The default model's checks run with
-LOCALSPEC_TEST_QWEN=1. Past 32 rows (patch 0009): with the row limit raised at run time
-(backend.exact_rows_raised) batches of 33..65 and 100 rows are batch-invariant too, and with the
-default limit a 64-row prefill chunk still takes the fast kernels."""
+LOCALSPEC_TEST_QWEN=1. Past 32 rows (patch 0001's run-time limit): with the row limit raised at
+run time (backend.exact_rows_raised) batches of 33..65 and 100 rows are batch-invariant too, and
+with the default limit a 64-row prefill chunk still takes the fast kernels."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ needs_invariant = pytest.mark.skipif(
                           "runs these with LOCALSPEC_EXACT=1)")
 needs_settable = pytest.mark.skipif(
     not (INVARIANT and exact_rows_settable()),
-    reason="no batch-invariant library, or a lib-exact built before patch 0009 (rerun "
+    reason="no batch-invariant library, or a lib-exact from before the run-time row limit (rerun "
            "./install.sh): its row limit cannot be raised")
 needs_qwen = pytest.mark.skipif(not os.environ.get("LOCALSPEC_TEST_QWEN"),
                                 reason="the default model (1 GB) runs when LOCALSPEC_TEST_QWEN=1")
@@ -82,7 +82,7 @@ def every_row_mismatch(path, n_prompt: int, threads: int, sizes=VERIFY_SIZES, ru
 
 @needs_invariant
 def test_the_patched_library_says_how_many_rows_it_keeps_invariant():
-    # verify batches up to 31 rows fit; longer ones raise the limit for their decode (patch 0009)
+    # verify batches up to 31 rows fit; longer ones raise the limit for their decode (patch 0001)
     assert batch_invariant_rows() > min(K_LIMIT, 30) + 1
     assert "LLAMAFILE = 1" in system_info()              # prefill keeps tinyBLAS
 
@@ -108,17 +108,15 @@ def random_smollm_path(request, smollm_path, tmp_path_factory):
 @pytest.mark.parametrize("n_prompt", [40, 1500])
 def test_every_row_of_a_verify_batch_equals_one_token_decodes_per_weight_type(
         random_smollm_path, n_prompt):
-    """Q8_0 weights through patch 0007's shared-load tiles (llama.cpp's own build sends them to
-    tinyBLAS from 2 rows), repacked Q4_0 through patch 0008's many-row gemv (llama.cpp's own: the
-    4-row gemm from 4 rows), F16 weights through patch 0006's tiles (0034's folded groups with
-    AVX-512), Q4_K_M's repacked Q4_K through patches 0003/0032's gemm, its Q6_K through vec_dot
-    and its Q5_0 through tinyBLAS (patch 0033: its arithmetic is vec_dot's on AVX2 + FMA + F16C
-    builds; patch 0010's tiles elsewhere), Q5_0 weights likewise, BF16 and F32 weights through
-    patch 0011's tiles (tinyBLAS upstream; 0034/0035's groups with AVX-512), repacked IQ4_NL
-    and Q2_K through patches 0012 and 0028's many-row gemvs (the 4-row gemm upstream), Q6_K and
-    Q3_K through patches 0020 and 0027's tiles (the tiled K-quant matmul upstream from 8 rows):
-    every row of 2..17-row batches is a one-token decode's bit for bit, after a short and a long
-    context, on every core and on one."""
+    """Each weight type through the kernels the patch series gives it (docs/exactness.md):
+    Q8_0 through 0007's shared-load tiles (llama.cpp's own build sends them to tinyBLAS from 2
+    rows), repacked Q4_0, IQ4_NL and MXFP4 through 0004's many-row gemv and Q2_K through 0005's
+    (the 4-row gemm upstream), F16, BF16 and F32 through 0006's tiles (tinyBLAS upstream),
+    Q4_K_M's repacked Q4_K through 0003's rows and its Q5_0 through tinyBLAS (0002: its
+    arithmetic is vec_dot's on AVX2 + FMA + F16C builds), Q5_0 weights likewise, Q6_K and Q3_K
+    through 0008's tiles (the tiled K-quant matmul upstream from 8 rows): every row of
+    2..17-row batches is a one-token decode's bit for bit, after a short and a long context, on
+    every core and on one."""
     assert every_row_mismatch(random_smollm_path, n_prompt, threads=os.cpu_count() or 1) == []
     if n_prompt == 40:
         assert every_row_mismatch(random_smollm_path, n_prompt, threads=1) == []
@@ -171,12 +169,13 @@ def test_seeded_sampling_gives_the_same_text_speculative_or_not_on_smollm(smollm
     assert a == b and gen.stats.drafted > 0
 
 
-# Past 32 rows (patch 0009). Issue 42 verifies several sequences in one batch (4 slots x 9 rows =
-# 36), issue 45 drafts up to 64 tokens (65-row verify batches); prefill goes in 64-row chunks.
+# Past 32 rows (patch 0001's run-time limit). Issue 42 verifies several sequences in one batch
+# (4 slots x 9 rows = 36), issue 45 drafts up to 64 tokens (65-row verify batches); prefill goes
+# in 64-row chunks.
 WIDE = list(range(32, 66)) + [100]     # every size from the old limit to 65, and one past 64
 # Fewer sizes where a run costs more: every remainder mod 4 (the repacked gemms' row groups) and
-# of 16 full and partial (patches 0006/0007 tile columns in blocks of 16), 64 and 65. (Every
-# size of WIDE was checked on every model here once: docs/exactness.md, patch 0009.)
+# of 16 full and partial (the tiles of patches 0006-0008 take columns in blocks of 16), 64 and
+# 65. (Every size of WIDE was checked on every model here once: docs/exactness.md.)
 WIDE_FEW = [35, 46, 64, 65]
 
 
@@ -237,11 +236,8 @@ def test_batches_of_33_to_100_rows_equal_one_token_decodes_with_the_limit_raised
 @pytest.mark.parametrize("n_prompt", [40, 1500])
 def test_batches_past_32_rows_equal_one_token_decodes_with_the_limit_raised_per_weight_type(
         random_smollm_path, n_prompt):
-    """Q8_0 (patch 0007's tiles instead of tinyBLAS), repacked Q4_0 (0008's many-row gemv instead
-    of the 4-row gemm), F16 (0006's tiles instead of tinyBLAS), Q4_K_M (the repacked Q4_K gemm
-    of 0003, Q6_K through vec_dot instead of the tiled matmul, Q5_0 through 0010's tiles instead
-    of tinyBLAS), Q5_0 (0010), BF16 and F32 (0011's tiles instead of tinyBLAS) and repacked
-    IQ4_NL (0012's many-row gemv instead of the 4-row gemm)."""
+    """The same kernel models with the row limit raised past the batch: every type's kernels of
+    the previous test (0003-0008's rows and tiles, Q5_0 through tinyBLAS) at 33-100 rows."""
     assert_wide_batches(random_smollm_path, n_prompt, WIDE_FEW, threads=os.cpu_count() or 1)
 
 

@@ -34,7 +34,7 @@ def test_choose_points_invariant_processes_at_the_invariant_folder(tmp_path):
     default = {"LOCALSPEC_EXACT_LIB": str(tmp_path)}
     assert libs.choose(None, default) == libs.choose(libs.INVARIANT_BY_DEFAULT,
                                                      {"LOCALSPEC_EXACT_LIB": str(tmp_path)})
-    assert libs.INVARIANT_BY_DEFAULT                             # since patch 0006
+    assert libs.INVARIANT_BY_DEFAULT                             # since its F16 attention tiles
     mine = {"LOCALSPEC_EXACT_LIB": str(tmp_path), "LLAMA_CPP_LIB_PATH": "/opt/mine"}
     assert "/opt/mine" in libs.choose(True, mine)
     assert mine["LLAMA_CPP_LIB_PATH"] == "/opt/mine"           # the user's choice wins
@@ -109,7 +109,7 @@ def test_an_exact_process_loads_the_same_build_with_the_batch_invariant_patches(
     assert "BATCH_INVARIANT = 32" in features and "LLAMAFILE = 1" in features, features
     assert account.startswith("the batch-invariant libraries in")
     # Same instruction sets, tinyBLAS, repacking and threading: only the patches differ
-    # (BATCH_INVARIANT_SET: patch 0009's run-time row limit).
+    # (BATCH_INVARIANT_SET: the run-time row limit, patch 0001).
     assert re.sub(r" BATCH_INVARIANT(_SET)? = \d+ \|", "", features) == upstream.stdout.strip()
 
 
@@ -144,12 +144,11 @@ def random_models(smollm_path, tmp_path_factory):
 def test_one_token_decoding_is_llama_cpps_own_bit_for_bit(model, request):
     """The patches change how batches of 2-31 rows are computed, not what one row computes: a
     one-token decode on the batch-invariant library gives llama.cpp's own logits bit for bit,
-    patch 0006's shared-conversion F16 attention and F16 weights, patch 0007's Q8_0 tiles, patch
-    0008's many-row Q4_0 gemv, patch 0010's Q5_0 tiles, patch 0011's F32 (the tiny model) and
-    BF16 tiles, patch 0012's IQ4_NL gemv, patches 0020 and 0027's Q6_K and Q3_K tiles and patch
-    0028's Q2_K gemv included (they serve one-token decodes too, or leave them alone). These models' prefill is also the
-    same computation in both; the default model's is not quite (patch 0003 rounds the repacked
-    Q4_K gemm once per block), docs/exactness.md."""
+    every kernel of the series included (0006's F16 attention and F16/BF16/F32 tiles, 0007's
+    Q8_0 tiles, 0004's and 0005's many-row gemvs, 0008's Q6_K and Q3_K tiles: they serve
+    one-token decodes too, or leave them alone). These models' prefill is also the same
+    computation in both; the default model's is not quite (0003 rounds the repacked Q4_K gemm
+    once per block), docs/exactness.md."""
     path = (request.getfixturevalue(model) if model.endswith("_path")
             else request.getfixturevalue("random_models")(model))
     code = ONE_TOKEN_LOGITS.format(path=str(path))

@@ -49,7 +49,7 @@ def test_gpu_backend_names_the_backend_of_a_real_wheel_layout(tmp_path):
 def test_the_cpu_library_stamp_follows_the_library_this_process_loads(tmp_path, monkeypatch):
     """The verify cost curve is cached per ggml-cpu build (policy/calibrate.curve_key): another
     patch set changes kernels without changing llama.cpp's feature line (2026-11-27: a curve
-    measured before patch 0029 was still believed after it)."""
+    measured before the Q6_K tile's prefetch was still believed after it)."""
     own = _wheel(tmp_path / "llama_cpp" / "lib")
     exact = _wheel(tmp_path / "llama_cpp" / libs.EXACT_DIR)
     (exact / "libggml-cpu.so").write_bytes(b"patched")

@@ -1,4 +1,4 @@
-"""Benchmark: what raising the batch-invariant row limit costs (patch 0009, docs/exactness.md).
+"""Benchmark: what raising the batch-invariant row limit costs (docs/exactness.md).
 
     python -m tools.exact_rows_cost                       # the default model, limit 66, 2 threads
     python -m tools.exact_rows_cost -m smollm2-135m --limit 101 --reps 7 --threads 2
@@ -13,7 +13,7 @@ Since K_LIMIT 64, Context.decode raises the limit itself for any decode of 32+ r
 every row's logits (llama/exact_rows.exact_for), so the "default" column past 31 rows is exact
 too: to compare with llama.cpp's fast kernels there, use `python -m tools.weight_type_cost
 --ks ...` (llama.cpp's own library in its own process).
-Needs the batch-invariant library with patch 0009 (./install.sh). Run it on a quiet machine;
+Needs the batch-invariant library with its run-time row limit (./install.sh). Run it on a quiet machine;
 a benchmark, not a test: it prints and asserts nothing.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
             Context(model, ContextParams(n_ctx=1024, n_threads=a.threads)) as ctx:
         if not exact_rows_settable():
             print("error: this process's ggml-cpu cannot raise its row limit (llama.cpp's own "
-                  "libraries, or a lib-exact from before patch 0009: rerun ./install.sh).",
+                  "libraries, or a lib-exact from before the run-time limit: rerun ./install.sh).",
                   file=sys.stderr)
             return 1
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

@@ -371,7 +371,7 @@ def batch_invariant_rows() -> int:
     """How many rows a batch may have and still compute every row bit-identically to a one-token
     decode on the CPU (the BATCH_INVARIANT feature of localspec's patched ggml-cpu, install.sh's
     llama_cpp/lib-exact; docs/exactness.md); 0 for llama.cpp's own libraries. The library's
-    default limit: exact_rows() is the limit now, which patch 0009 lets a decode path raise."""
+    default limit: exact_rows() is the limit now, which a decode path may raise (patch 0001)."""
     value = cpu_features().get("BATCH_INVARIANT", "0")
     return int(value) if value.isdigit() else 0
 

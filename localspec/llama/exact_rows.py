@@ -1,5 +1,5 @@
-"""The batch-invariant row limit of localspec's ggml-cpu, moved at run time (patch 0009,
-docs/exactness.md "Past 32 rows"): batches of fewer rows than the limit compute every row as a
+"""The batch-invariant row limit of localspec's ggml-cpu, moved at run time (patch
+0001-batch-invariant-switch, docs/exactness.md): batches of fewer rows than the limit compute every row as a
 one-token decode does. Bound here through backend.py's ggml_function."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from .backend import _state, batch_invariant_rows, cpu_features, ggml_function, 
 
 def exact_rows_settable() -> bool:
     """Whether this process's ggml-cpu lets the batch-invariant row limit move at run time
-    (patch 0009: the BATCH_INVARIANT_SET feature and ggml_cpu_set_exact_rows); False for
-    llama.cpp's own libraries and for a lib-exact built before 0009 (rerun ./install.sh)."""
+    (patch 0001: the BATCH_INVARIANT_SET feature and ggml_cpu_set_exact_rows); False for
+    llama.cpp's own libraries and for a lib-exact built before 2026-11-26 (rerun ./install.sh)."""
     return cpu_features().get("BATCH_INVARIANT_SET") == "1"
 
 
@@ -25,7 +25,7 @@ def _exact_rows_function(name: str, restype, *argtypes):
         if not exact_rows_settable():
             raise LocalspecError(
                 "this process's ggml-cpu cannot raise its batch-invariant row limit ("
-                + ("a lib-exact built before patch 0009; rerun ./install.sh"
+                + ("a lib-exact from before the run-time limit; rerun ./install.sh"
                    if batch_invariant_rows() else f"it loaded {library_account()}") + ").")
         fn = _state[name] = ggml_function(name, restype, *argtypes)
     return fn

@@ -2,7 +2,7 @@
 ./install.sh lays beside it (llama_cpp/lib-exact) whose ggml-cpu carries localspec's patches
 (patches/, docs/exactness.md): batches of up to 31 rows compute every row as a one-token decode
 does, so speculative output is plain output bit for bit. Processes load it by default
-(INVARIANT_BY_DEFAULT: since patch 0006 it costs nothing measurable against llama.cpp's own,
+(INVARIANT_BY_DEFAULT: with its F16 attention tiles it costs nothing measurable against llama.cpp's own,
 docs/exactness.md) and fall back to llama.cpp's own, with the near-tie guard, where install.sh
 did not build it; LOCALSPEC_EXACT=0 chooses llama.cpp's own, and LOCALSPEC_EXACT=1 (`--exact`)
 insists on the patched copy (one error line without it).

@@ -73,7 +73,7 @@ class SharedContext(Handle):
             raise ValueError("a shared context needs at least 2 sequences")
         if row_cap >= 32 and _b.batch_invariant_rows() and not exact_rows_settable():
             raise LocalspecError(f"steps of {row_cap} rows together need a ggml-cpu that raises "
-                                 "its batch-invariant limit at run time (patch 0009; rerun "
+                                 "its batch-invariant limit at run time (rerun "
                                  "./install.sh).")   # (llama.cpp's own promise no exact rows)
         per_seq = slot_size(params.n_ctx, n_seq)
         if per_seq == 0:

@@ -12,7 +12,7 @@ from .acceptance import AcceptanceConfig
 K_LIMIT = 64    # the most drafts one verify batch may carry: the calibrated curve's length; a
                 # request asking for more (CLI --k, protocol k, HTTP localspec.k) is refused.
                 # Past 31 drafts a batch stays exact by raising ggml-cpu's invariant row limit
-                # for that decode (patch 0009, llama/exact_rows.exact_for); on code edits the
+                # for that decode (llama/exact_rows.exact_for); on code edits the
                 # copy runs for hundreds of tokens and a 64-token draft costs ~14 decodes, not
                 # 64 (docs/policy.md, "Drafts past 16")
 

@@ -66,7 +66,7 @@ def batches_trusted(config: EngineConfig) -> bool:
     """Whether a verify batch's rows equal one-token decodes bit for bit, so the near-tie guard
     can go: the target runs on the CPU (no GPU or RPC layers) with localspec's batch-invariant
     ggml-cpu, for batches as large as the policy may verify: under its row limit, or past it
-    where the limit moves for each wider decode (patch 0009; docs/exactness.md)."""
+    where the limit moves for each wider decode (docs/exactness.md)."""
     on_cpu = config.n_gpu_layers == 0 and not config.rpc
     rows = batch_invariant_rows()
     return on_cpu and bool(rows) and (rows > K_LIMIT + 1 or exact_rows_settable())

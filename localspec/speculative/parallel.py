@@ -82,7 +82,7 @@ class Slots:
     close() frees them, the context, the shared draft store and the model (when it was loaded
     here). `row_cap`: the most rows the slots' steps take in one batch (default K_LIMIT + n:
     a full-length draft beside every other slot's row, each such batch raising the batch-
-    invariant limit for itself; 31 where the limit cannot move, a ggml-cpu before patch 0009)."""
+    invariant limit for itself; 31 where the limit cannot move, an older ggml-cpu)."""
 
     def __init__(self, target: Union[str, os.PathLike, Model], config: EngineConfig, n: int,
                  progress: Optional[Callable[[str], None]] = None, row_cap: Optional[int] = None):
