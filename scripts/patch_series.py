@@ -99,7 +99,8 @@ def check_header(name: str, text: str) -> None:
     missing = [f for f in FIELDS if not fields.get(f, "").strip()]
     if missing or list(fields)[:len(FIELDS)] != list(FIELDS):
         raise SeriesError(f"{name}: the header needs the fields {', '.join(FIELDS)} in that "
-                          f"order, each non-empty (missing or empty: {', '.join(missing) or 'none'})")
+                          f"order, each non-empty (missing or empty: "
+                          f"{', '.join(missing) or 'none'})")
 
 
 def cache_dir() -> Path:
@@ -142,23 +143,28 @@ def sdist(folder: Path, given: str | None) -> Path:
 
 
 def run(cmd: list[str], cwd: Path | None = None, quiet: bool = False, stdin: str | None = None):
-    done = subprocess.run(cmd, cwd=cwd, input=stdin, text=True,
-                          capture_output=True if quiet or stdin is not None else False)
+    """cmd's result; its output captured when quiet or fed stdin, and its last lines in the
+    error when it fails."""
+    captured = quiet or stdin is not None
+    done = subprocess.run(cmd, cwd=cwd, input=stdin, text=True, capture_output=captured)
     if done.returncode != 0:
-        tail = (done.stderr or done.stdout or "").strip().splitlines()[-3:] if quiet or stdin else []
+        tail = (done.stderr or done.stdout or "").strip().splitlines()[-3:] if captured else []
         raise SeriesError(f"{' '.join(cmd[:4])}... failed" + (": " + " | ".join(tail) if tail else ""))
     return done
 
 
 def unpack(archive: Path, source: str | None, into: Path) -> None:
-    """The sdist's tree (or a copy of --source, an unpacked tree) at `into`, which must not exist."""
+    """The sdist's tree (or a copy of --source, an unpacked tree) at `into`, a new path."""
     if into.exists():
         raise SeriesError(f"{into} exists: apply makes a new tree", 2)
     if source:
         shutil.copytree(source, into, symlinks=True)
         return
     with tempfile.TemporaryDirectory(dir=into.parent) as tmp, tarfile.open(archive) as tar:
-        tar.extractall(tmp, filter="tar") if hasattr(tarfile, "data_filter") else tar.extractall(tmp)
+        if hasattr(tarfile, "data_filter"):     # Python 3.12+, and 3.11.4+
+            tar.extractall(tmp, filter="tar")
+        else:
+            tar.extractall(tmp)
         tops = list(Path(tmp).iterdir())
         if len(tops) != 1:
             raise SeriesError(f"{archive}: expected one top folder")
@@ -192,7 +198,8 @@ def apply(args) -> None:
         shutil.rmtree(into / ".git", ignore_errors=True)   # the sdist ships upstream's .git
         run(GIT + ["init", "-q"], cwd=into)
         run(GIT + ["add", "-A", "-f", "vendor"], cwd=into)
-        run(GIT + ["commit", "-q", "-m", f"llama-cpp-python {version_of(folder)} (sdist)"], cwd=into)
+        run(GIT + ["commit", "-q", "-m", f"llama-cpp-python {version_of(folder)} (sdist)"],
+            cwd=into)
     upto = len(names) if args.upto is None else args.upto
     for name in names[:upto]:
         apply_one(into, folder / name)
@@ -233,7 +240,8 @@ def refresh(args) -> None:
     folder = series_dir(args)
     tree = Path(args.dir).resolve()
     _, facts = read_series(folder)
-    log = run(GIT + ["log", "--reverse", "--format=%H", "HEAD"], cwd=tree, quiet=True).stdout.split()
+    log = run(GIT + ["log", "--reverse", "--format=%H", "HEAD"], cwd=tree,
+              quiet=True).stdout.split()
     if len(log) < 2:
         raise SeriesError(f"{tree}: no commits after the sdist's (make it with apply --git)", 2)
     written = []
@@ -291,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="patch_series.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="The series, its header fields and how to rebase it: docs/build.md.")
+        epilog="examples:\n" + __doc__.split("\n\n")[2] + "\n\nThe series, its header "
+        "fields and how to rebase it onto a new llama-cpp-python: docs/build.md.")
     parser.add_argument("--version", help="llama-cpp-python version of the series "
                         "(default: the one folder under patches/)")
     parser.add_argument("--patches", default=str(PATCHES), help="the folder that holds the "
