@@ -69,7 +69,7 @@ def _close(prop: NgramProposer) -> None:
 
 
 def choose(policy, offers: list) -> tuple:
-    """The engine's choice among a step's offers (Engine._propose): (features, k) of the offer
+    """The engine's choice among a step's offers (drafting.propose): (features, k) of the offer
     with the best predicted gain, else (the first offer's features or None, 0)."""
     best = None
     for offer in offers:

@@ -1,7 +1,6 @@
-"""The draft policy an engine gives each request: per-request acceptance model and regret guard
-(policy/adaptive.py) on one cost model the engine's requests share, which starts from the
-calibrated curve of this model/device/threads and learns from every step's timing. A draft model
-that cannot pay on this device is dropped here, once, when the curve is first known.
+"""The draft policy an engine gives each request, and its use at every step: Drafting builds a
+request's acceptance model and regret guard (policy/adaptive.py) on the cost model its requests
+share; propose() picks each step's draft, observe() teaches the policy what the step did.
 """
 
 from __future__ import annotations
@@ -17,12 +16,15 @@ from ..policy.costmodel import CostConfig, CostModel
 from ..policy.draft_estimate import DraftPolicy
 from .config import EngineConfig
 from .factory import fit_to_device
-from .proposers import Proposer
+from .proposers import EMPTY, Proposal, Proposer
+from .step import StepResult
 
 
 class Drafting:
     """Builds each request's AdaptivePolicy; owns what is learnt across requests (the machine's
-    verify cost and the draft model's cost per token)."""
+    verify cost and the draft model's cost per token). The cost model starts from the calibrated
+    curve of this model/device/threads and learns from every step's timing. A draft model that
+    cannot pay on this device is dropped here, once, when the curve is first known."""
 
     def __init__(self, config: EngineConfig, progress: Optional[Callable[[str], None]] = None):
         self.config, self._progress = config, progress
@@ -61,3 +63,42 @@ class Drafting:
         self.cost = CostModel(curve.ratios, curve.ms_per_step,
                               CostConfig(online=self.config.refit_cost), noisy=rough)
         self._draft_cost = proposer.draft_cost(curve, self._progress)
+
+
+def propose(ctx: Context, proposer: Proposer, policy: AdaptivePolicy, room: int) -> Proposal:
+    """The draft length's one way: the proposer offers, the policy chooses k, the proposer
+    drafts k. An offer not taken goes to the plain step, which says what it would have
+    scored (the acceptance model learns while speculation is off)."""
+    passed, best, lookup = EMPTY, None, None
+    for offer in proposer.offers(min(room, policy.config.k_max)):
+        if offer.features is None and best is not None:
+            break                    # a draft model only fills in where lookup has nothing
+        k, gain = policy.choose_scored(offer)        # sources compete by predicted gain
+        if k > 0 and (best is None or gain > best[2]):
+            best = (offer, k, gain)
+        elif passed is EMPTY and offer.features is not None:
+            passed = Proposal([], None, offer.source, offer.features)
+            lookup = offer
+    # A slot of a shared context: rows the coming tick carries anyway are free to fill with
+    # more of a lookup match (drafting it costs nothing); a lone context says k.
+    chosen = best[1] if best is not None else 0
+    free = ctx.free_drafts(chosen, min(room, policy.config.k_max))
+    if free > chosen:
+        if best is None and lookup is not None:
+            best = (lookup, 0, 0.0)
+        if best is not None and best[0].features is not None:
+            best = (best[0], max(chosen, min(free, best[0].limit)), best[2])
+    return proposer.draft(best[0], best[1]) if best is not None else passed
+
+
+def observe(policy: AdaptivePolicy, proposal: Proposal, result: StepResult,
+            propose_ms: float) -> None:
+    """Update the policy from one step: acceptance, the guard and the cost curve's refit
+    (the draft store's learning is the proposer's, config.learn)."""
+    if proposal.source == "draft":     # the draft model keeps its scalar estimate
+        if result.n_drafted:
+            policy.draft.observe("draft", result.n_drafted, result.n_accepted)
+        return
+    # n-gram proposals and plain steps: acceptance, the guard and the cost curve update
+    policy.observe_step(proposal.features, result.n_drafted, result.n_accepted,
+                        result.emitted, result.verify_ms, propose_ms)

@@ -3,7 +3,8 @@
 Plain decoding is the same loop with no drafts (k = 0), so the baseline and the speculative path
 share the prefill, the sampler chain, the random stream and the stopping rules. The engine owns
 the target's context, the loop and lifetimes; factory.py builds the model, cache and proposer,
-drafting.py each request's draft policy, generation.py the handle a caller iterates.
+drafting.py each request's draft policy and each step's draft, generation.py the handle a caller
+iterates.
 """
 
 from __future__ import annotations
@@ -20,15 +21,14 @@ import numpy as np
 
 from ..errors import LocalspecError
 from ..llama import PREFILL_GRID, Context, Model
-from ..policy.adaptive import AdaptivePolicy
 from ..policy.config import PolicyConfig
 from .config import EngineConfig
-from .drafting import Drafting
+from .drafting import Drafting, observe, propose
 from .factory import batches_trusted, build
 from .generation import Generation, Request
-from .proposers import EMPTY, Proposal, Proposer
+from .proposers import EMPTY, Proposer
 from .sampling import PositionStream, SamplingParams, draw, target_dist
-from .step import StepResult, step
+from .step import step
 from .textstream import TextStream
 
 __all__ = ["Engine", "EngineConfig", "Generation", "Prompt"]
@@ -251,7 +251,7 @@ class Engine:
         policy observe it."""
         started = time.perf_counter()
         room = min(self.ctx.n_ctx - self.ctx.n_past - 1, self.ctx.draft_room())
-        proposal = self._propose(req.policy, room) \
+        proposal = propose(self.ctx, self.proposer, req.policy, room) \
             if req.policy is not None and room > 0 and not req.recheck else EMPTY
         survival = ()             # a slot's drafts: what each is worth to its shared tick
         if proposal.tokens and proposal.features is not None and self.ctx.stepping() > 1:
@@ -264,7 +264,7 @@ class Engine:
             self._rollback_refused(req, result.emitted)
         if req.policy is not None:       # a shared tick's time is not this step's: the curve
             timed = result if self.ctx.timed else replace(result, verify_ms=None)
-            self._observe(req.policy, proposal, timed, propose_ms)
+            observe(req.policy, proposal, timed, propose_ms)
         st = req.stats
         st.record_step(proposal.source, result.n_drafted,
                        min(result.n_accepted, len(result.emitted)))
@@ -274,44 +274,6 @@ class Engine:
         st.verify_ms += result.verify_ms
         st.sample_ms += result.sample_ms
         return result.emitted
-
-    def _propose(self, policy: AdaptivePolicy, room: int) -> Proposal:
-        """The draft length's one way: the proposer offers, the policy chooses k, the proposer
-        drafts k. An offer not taken goes to the plain step, which says what it would have
-        scored (the acceptance model learns while speculation is off)."""
-        passed, best, lookup = EMPTY, None, None
-        for offer in self.proposer.offers(min(room, policy.config.k_max)):
-            if offer.features is None and best is not None:
-                break                    # a draft model only fills in where lookup has nothing
-            k, gain = policy.choose_scored(offer)        # sources compete by predicted gain
-            if k > 0 and (best is None or gain > best[2]):
-                best = (offer, k, gain)
-            elif passed is EMPTY and offer.features is not None:
-                passed = Proposal([], None, offer.source, offer.features)
-                lookup = offer
-        # A slot of a shared context: rows the coming tick carries anyway are free to fill with
-        # more of a lookup match (drafting it costs nothing); a lone context says k.
-        chosen = best[1] if best is not None else 0
-        free = self.ctx.free_drafts(chosen, min(room, policy.config.k_max))
-        if free > chosen:
-            if best is None and lookup is not None:
-                best = (lookup, 0, 0.0)
-            if best is not None and best[0].features is not None:
-                best = (best[0], max(chosen, min(free, best[0].limit)), best[2])
-        return self.proposer.draft(best[0], best[1]) if best is not None else passed
-
-    @staticmethod
-    def _observe(policy: AdaptivePolicy, proposal: Proposal, result: StepResult,
-                 propose_ms: float) -> None:
-        """Update the policy from one step: acceptance, the guard and the cost curve's refit
-        (the draft store's learning is the proposer's, config.learn)."""
-        if proposal.source == "draft":     # the draft model keeps its scalar estimate
-            if result.n_drafted:
-                policy.draft.observe("draft", result.n_drafted, result.n_accepted)
-            return
-        # n-gram proposals and plain steps: acceptance, the guard and the cost curve update
-        policy.observe_step(proposal.features, result.n_drafted, result.n_accepted,
-                            result.emitted, result.verify_ms, propose_ms)
 
     # -- helpers -------------------------------------------------------------------------------
     def _policy_for(self, override: Optional[PolicyConfig]) -> tuple:
