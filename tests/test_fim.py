@@ -103,6 +103,21 @@ def test_time_budget_ends_at_the_next_line_end():
     assert LineRules().feed("a\n") == "a" and LineRules().finish() == ""
 
 
+def test_a_crlf_line_end_is_one_line_end_and_a_cut_leaves_no_lone_cr():
+    """Issue 65: in a CRLF file a one-line completion ended in "\\r", so the editor's inserted
+    line ended "\\r\\r\\n". "\\r\\n" is the line end, even split across pieces."""
+    r = LineRules(max_lines=1)
+    assert r.feed("urn a - b\r") == "urn a - b" and r.feed("\n    x") == ""
+    assert r.reason == "lines" and r.finish() == ""
+    r = LineRules(max_lines=2)
+    assert r.feed("2\r\n") == "2" and r.feed("c = 3\r\nd") == "\r\nc = 3"
+    r = LineRules(min_indent=4)
+    assert r.feed("    x\r\n\r\n    y\r\n  z") == "    x\r\n\r\n    y" and r.reason == "indent"
+    r = LineRules()                    # a "\\r" inside a line stays; a last one does not
+    assert r.feed("a\rb\r") == "a\rb" and r.finish() == ""
+    assert LineRules().feed("2\r\n") == "2" and LineRules(max_lines=1).feed("x\r") == "x"
+
+
 # -- serve --stdio: complete ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stdio(tiny_fim_path, tmp_path_factory):

@@ -138,43 +138,64 @@ class LineRules:
     """The completion's stop rules over streamed text: a line budget, a time budget that ends
     the completion at the next line end, and an indentation floor (llama.cpp's n_indent). Text
     after a newline is held back until its line shows a non-blank character, so a cut never
-    takes back what was already shown.
+    takes back what was already shown. A line ends at "\\n" or "\\r\\n" (a CRLF file): a "\\r"
+    waits for the next character, so a cut at a line end never leaves a lone "\\r".
 
-    Example: LineRules(max_lines=1).feed("x = 1\\ny = 2") == "x = 1", .reason == "lines".
+    Example: LineRules(max_lines=1).feed("x = 1\\ny = 2") == "x = 1", .reason == "lines";
+    LineRules(max_lines=1).feed("x = 1\\r\\ny = 2") == "x = 1" too.
     """
 
     def __init__(self, max_lines: int = 0, min_indent: Optional[int] = None):
         self.max_lines, self.min_indent = max_lines, min_indent
         self.held, self.newlines, self.reason = "", 0, ""
+        self.cr = False                # "\r" came last: a line end if "\n" follows
 
     def feed(self, piece: str, over_time: bool = False) -> str:
-        out = []
+        out: list = []
         for ch in piece:
             if self.reason:
                 break
             if ch == "\n":
-                if self.max_lines and self.newlines + 1 >= self.max_lines:
-                    self.reason = "lines"
-                elif over_time and (self.newlines or out or self.held):
-                    self.reason = "time"
-                else:                  # blank lines wait with the newline before them
-                    self.held, self.newlines = self.held + "\n", self.newlines + 1
-            elif self.held and ch in " \t":
-                self.held += ch
-            elif self.held:
-                indent = len(self.held) - self.held.rfind("\n") - 1
-                if self.min_indent is not None and indent < self.min_indent:
-                    self.reason, self.held = "indent", ""
-                else:
-                    out.append(self.held + ch)
-                    self.held = ""
+                self._line_end("\r\n" if self.cr else "\n", over_time, out)
+                self.cr = False
+                continue
+            if self.cr:                # "\r" inside a line: an ordinary character
+                self.cr = False
+                self._char("\r", out)
+                if self.reason:
+                    break
+            if ch == "\r":
+                self.cr = True
             else:
-                out.append(ch)
+                self._char(ch, out)
         return "".join(out)
 
+    def _line_end(self, end: str, over_time: bool, out: list) -> None:
+        if self.max_lines and self.newlines + 1 >= self.max_lines:
+            self.reason = "lines"
+        elif over_time and (self.newlines or out or self.held):
+            self.reason = "time"
+        else:                          # blank lines wait with the line end before them
+            self.held, self.newlines = self.held + end, self.newlines + 1
+
+    def _char(self, ch: str, out: list) -> None:
+        if self.held and ch in " \t":
+            self.held += ch
+        elif self.held:
+            indent = len(self.held) - self.held.rfind("\n") - 1
+            if self.min_indent is not None and indent < self.min_indent:
+                self.reason, self.held = "indent", ""
+            else:
+                out.append(self.held + ch)
+                self.held = ""
+        else:
+            out.append(ch)
+
     def finish(self) -> str:
-        """What is still held when generation ends by itself (a trailing newline)."""
-        held, self.held = ("", "") if self.reason else (self.held, "")
+        """What is still held when generation ends by itself (a trailing line end). A last
+        "\\r" is dropped: it is half of a line end that the generation stopped inside."""
+        held = "" if self.reason else self.held
+        self.held, self.cr = "", False
         return held
 
 
