@@ -131,6 +131,24 @@ def test_model_argument_mistakes(what, home, tmp_path):
     one_error(cli("generate", "-m", arg, "hi", home=home))
 
 
+def test_an_empty_model_name_is_named_as_empty(tiny_path, home):
+    """Issue 65: `-m ""` read as the current folder (" is a directory; pass the .gguf file
+    inside it")."""
+    for args in (["-m", ""], ["-m", "  "], ["-m", str(tiny_path), "--draft", ""]):
+        line = one_error(cli("generate", *args, "hi", home=home), "name is empty")
+        assert "directory" not in line and ("draft model" in line) == ("--draft" in args), line
+
+
+def test_a_stdout_that_cannot_be_written_is_named_as_stdout(tiny_path, home):
+    """Issue 65: `generate > /dev/full` blamed the cache folder (LOCALSPEC_HOME)."""
+    environ = {**os.environ, "LOCALSPEC_HOME": str(home)}
+    with open("/dev/full", "wb") as full:
+        r = subprocess.run([sys.executable, "-m", "localspec", *gen(tiny_path), "hi"],
+                           stdout=full, stderr=subprocess.PIPE, env=environ, timeout=180)
+    line = one_error(r, "could not write the output (stdout)", "No space left on device")
+    assert "LOCALSPEC_HOME" not in line and "Exception ignored" not in r.stderr.decode()
+
+
 def test_models_verify_unknown_and_not_downloaded(home):
     one_error(cli("models", "verify", "no-such-model", home=home), "unknown model")
     one_error(cli("models", "verify", "smollm2-135m", home=home), "not downloaded")

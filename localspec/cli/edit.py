@@ -3,7 +3,6 @@ only the rewritten text on stdout."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
@@ -11,7 +10,7 @@ import click
 from ..apps.edit import Rewrite, check_edit, parse_region, split_region
 from ..text import decode_utf8, read_text_file
 from .options import (COMMAND, build_sampling, learn_option, model_options, open_engine,
-                      sampling_options, stdin, text_arg)
+                      sampling_options, stdin, text_arg, write_out)
 
 
 def _region(_ctx, _param, value):
@@ -64,5 +63,4 @@ def edit(instruction, file, region, stats, **kw):
         out = before + rewrite.result() + after
     if stats:
         click.echo(rewrite.stats.summary(), err=True)
-    sys.stdout.write(out)
-    sys.stdout.flush()
+    write_out(out)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import click
 
 from ..text import read_text_file
 from .options import (COMMAND, build_sampling, learn_option, model_options, open_engine,
-                      sampling_options, text_arg)
+                      sampling_options, text_arg, write_out)
 
 
 @click.command(context_settings=COMMAND)
@@ -50,9 +49,8 @@ def generate(prompt, chat, system, document, stats, **kw):
                               stop=kw["stop"], document=doc)
         with contextlib.closing(gen):   # its cleanup runs now, on an open context, even when
             for piece in gen:           # stdout is gone (`| head`) or Ctrl-C stops it
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        sys.stdout.write("\n")
+                write_out(piece)
+        write_out("\n")
         if stats:
             click.echo(gen.stats.summary(), err=True)
         if gen.stats.stop_reason == "context":

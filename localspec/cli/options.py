@@ -67,10 +67,20 @@ def parse_rpc_option(_ctx, _param, value) -> tuple:
         raise click.BadParameter(str(e)) from None
 
 
+def model_name(_ctx, param, value):
+    """A -m/--draft value: an empty one is one line that says so (it would otherwise name the
+    current folder: "  is a directory")."""
+    if value is not None and not value.strip():
+        what = "draft model" if param.name == "draft" else "model"
+        raise LocalspecError(f"the {what} name is empty; give a catalog name (`localspec models "
+                             "list`) or the path of a .gguf file.")
+    return value
+
+
 def model_option(f):
     """-m/--model: the model every command that loads one names the same way."""
     return click.option("-m", "--model", default="default", show_default=True,
-                        envvar="LOCALSPEC_MODEL",
+                        envvar="LOCALSPEC_MODEL", callback=model_name,
                         help="Catalog name (see `localspec models list`) or path to a .gguf "
                              "file. Env: LOCALSPEC_MODEL.")(f)
 
@@ -78,7 +88,7 @@ def model_option(f):
 def draft_option(note: str = ""):
     """--draft: the draft model (catalog name or path)."""
     return click.option(
-        "--draft", default=None, envvar="LOCALSPEC_DRAFT",
+        "--draft", default=None, envvar="LOCALSPEC_DRAFT", callback=model_name,
         help="Draft model: catalog name (e.g. default-draft) or .gguf path; must share the "
              "target's tokenizer." + (f" {note}" if note else "") + " Env: LOCALSPEC_DRAFT.")
 
@@ -375,6 +385,20 @@ def _exit_code(command: click.Command, argv, prog_name) -> int:
     except Exception as e:        # a bug: one line here, the traceback in a file
         click.echo(f"error: {internal_error_line(e)}", err=True)
         return INTERNAL_ERROR_EXIT
+
+
+def write_out(text: str) -> None:
+    """Write generated text to stdout now (flushed). A write the system refuses (`> /dev/full`,
+    a full disk behind a redirect) is one line that names stdout, not the cache folder; a
+    closed pipe (`| head`) stays a BrokenPipeError, a quiet exit."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        _stdout_to_devnull()            # what is still buffered must not fail again at exit
+        raise LocalspecError(f"could not write the output (stdout): {e.strerror or e}.") from None
 
 
 def _stdout_to_devnull() -> None:

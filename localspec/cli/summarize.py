@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from .options import (COMMAND, build_sampling, learn_option, model_options, open_engine,
-                      open_engines, parallel_option, parallel_slots, sampling_options)
+                      open_engines, parallel_option, parallel_slots, sampling_options, write_out)
 from ..errors import LocalspecError
 from ..text import check_utf8
 from ..apps.summarize import (DEFAULT_GLOBS, DEFAULT_INSTRUCTION, Progress, Summarizer, Summary,
@@ -107,8 +107,7 @@ def summarize(inputs, output_dir, fmt, globs, instruction, force, **kw):
 
 
 def _emit(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    write_out(text)
 
 
 def _counts(summary: Summary) -> str:
