@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -116,6 +117,27 @@ def test_a_crash_is_one_line_a_report_with_both_stacks_and_exit_86(tmp_path, how
     native_stack = text.split("native stack")[1].split("Python stack")[0]
     assert native_stack.count("[0x") >= 3 and "_ngram_c" in native_stack   # backtrace_symbols_fd
     assert "Python stack" in text and "inside_a_native_call" in text       # faulthandler's
+
+
+def test_a_crashes_folder_that_refuses_files_sends_the_report_to_the_temp_folder(tmp_path):
+    """Issue 65: a home that has crashes/ but cannot write into it (read-only) lost the report:
+    exit 86 and the line, no `report:`, no file. Root writes into a read-only folder, so for
+    root the folder is a link to one the kernel refuses files in (/proc/self/fdinfo)."""
+    (tmp_path / "home").mkdir()
+    crashes = tmp_path / "home" / "crashes"
+    if os.geteuid() == 0:
+        crashes.symlink_to("/proc/self/fdinfo")
+    else:
+        crashes.mkdir(mode=0o500)
+    r = python(CRASH.format(how=0), tmp_path / "home")
+    assert r.returncode == CRASH_EXIT, r.stderr
+    (line,) = r.stderr.splitlines()
+    assert "; report: " in line, line
+    report = Path(line.split("; report: ")[1])
+    try:
+        assert report.parent == Path(tempfile.gettempdir()) and "native stack" in report.read_text()
+    finally:
+        report.unlink(missing_ok=True)
 
 
 def test_without_the_guard_the_signal_is_bare(tmp_path):

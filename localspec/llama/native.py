@@ -88,9 +88,15 @@ def drain() -> list:
 # -- the crash guard ----------------------------------------------------------------------------
 def crash_dir() -> Path:
     """Where crash reports go: <home>/crashes (files.py's write_crash_report uses the same
-    folder), else the system's temporary folder."""
+    folder) when a file can be created there, else the system's temporary folder. The folder
+    may exist and still refuse files (a read-only home that has it): a report path there would
+    be lost at the crash, when the C handler can only try it, so it is tried now."""
     try:
-        return cache_dir("crashes")
+        folder = cache_dir("crashes")
+        fd, probe = tempfile.mkstemp(prefix=".localspec-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+        return folder
     except (OSError, LocalspecError):
         return Path(tempfile.gettempdir())
 
