@@ -218,6 +218,19 @@ def test_streamed_pieces_concatenate_to_the_non_streamed_text(server, tiny_path,
         whole.usage.completion_tokens                       # the usage chunk comes last
 
 
+def test_max_tokens_inside_a_character_holds_the_character_back(server, tiny_path):
+    """Issue 65: a cap that cut a character's byte tokens ended the text with U+FFFD. The tiny
+    model's byte vocabulary answers "caf" with e3 90 a1 ("\u3421") d4 ...: 4 tokens end
+    inside the second character, which is held back (docs/http.md)."""
+    client = server.client()
+    args = dict(model=model_id(tiny_path), prompt="caf", max_tokens=4, temperature=0)
+    whole = client.completions.create(**args)
+    streamed = "".join(c.choices[0].text for c in
+                       client.completions.create(**args, stream=True) if c.choices)
+    assert whole.choices[0].text == streamed == "\u3421", whole.choices[0].text
+    assert whole.usage.completion_tokens == 4 and whole.choices[0].finish_reason == "length"
+
+
 def test_stop_strings_string_and_list(server, tiny_path):
     client = server.client()
     full = client.completions.create(model=model_id(tiny_path), prompt="hello", max_tokens=48,

@@ -67,6 +67,15 @@ def test_textstream_never_splits_utf8_and_hides_stop_strings():
     assert ts.text == "Hi é"
 
 
+def test_textstream_holds_back_a_character_its_last_tokens_left_unfinished():
+    """Issue 65: max_tokens cutting inside a character ended the text with U+FFFD."""
+    party = "🎉".encode()
+    ts = TextStream({1: party, 2: party[:2], 3: b"\xff"}.__getitem__)
+    assert ts.feed(1) == "🎉" and ts.feed(2) == "" and ts.finish() == "" and ts.text == "🎉"
+    ts = TextStream({1: party, 2: b"\xff"}.__getitem__)    # never UTF-8: U+FFFD as it comes
+    assert ts.feed(1) + ts.feed(2) + ts.finish() == "🎉\ufffd"
+
+
 def test_textstream_releases_a_false_stop_prefix():
     ts = TextStream({1: b"a\n", 2: b"b"}.__getitem__, stops=["\n\n"])
     assert ts.feed(1) == "a"

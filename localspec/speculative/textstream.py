@@ -32,9 +32,11 @@ class TextStream:
         return self._release(final=False)
 
     def finish(self) -> str:
-        """Flush at the end of generation (an unfinished UTF-8 sequence becomes U+FFFD)."""
-        if not self.stopped:
-            self._held += self._decoder.decode(b"", final=True)
+        """Flush at the end of generation. An unfinished UTF-8 sequence (max_tokens or a cancel
+        cut a character's tokens) is held back, never shown as U+FFFD: the text ends before it.
+        Bytes that can never be UTF-8 became U+FFFD as they came; only an incomplete tail waits.
+        """
+        self._decoder.reset()
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
