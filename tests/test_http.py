@@ -521,24 +521,40 @@ def read_to_end(sock, timeout=60) -> bytes:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_stopping_the_server_ends_every_request_with_an_error_its_client_sees(tiny_path, home,
-                                                                              sig):
+def test_stopping_the_server_ends_every_request_as_its_client_can_tell(tiny_path, home, sig):
     """At SIGTERM/Ctrl-C a running stream ends with an in-band error (not a finish_reason of
-    "stop" on a cut answer) and a queued request gets 503."""
-    srv = Server(tiny_path, home, "--api-key", KEY, "--queue", "2", "--ctx", "8192")
+    "stop" on a cut answer), a running non-streamed request returns its text so far with
+    stop_reason "cancelled" (issue 65: it was a 503 that threw the text away), and a queued
+    request gets 503."""
+    srv = Server(tiny_path, home, "--api-key", KEY, "--queue", "2", "--ctx", "8192",
+                 "--parallel", "2")
     try:
         long = {"prompt": LONG_PROMPT, "max_tokens": 1_000_000}
         running = srv.open_stream(long)
-        queued = srv.open_stream(long, wait_for_data=False)
+        answer = []
+        whole = threading.Thread(target=lambda: answer.append(
+            srv.post("/v1/completions", {**long, "max_tokens": 900}, timeout=120)))
+        whole.start()
         deadline = time.monotonic() + 30
+        while srv.get("/health")[1]["busy"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        queued = srv.open_stream(long, wait_for_data=False)
         while srv.get("/health")[1]["queue"]["waiting"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        time.sleep(1.0)                 # the non-streamed request has text by now
         srv.proc.send_signal(sig)
         stream, waited = read_to_end(running), read_to_end(queued)
+        whole.join(60)
         assert b"server_shutting_down" in stream and b'"finish_reason":"stop"' not in stream \
             and b"[DONE]" not in stream, stream[-600:]
         assert waited.startswith(b"HTTP/1.1 503") and b"server_shutting_down" in waited, waited
+        status, body, _ = answer[0]
+        assert status == 200, body
+        assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["text"]
+        assert body["localspec"]["stop_reason"] == "cancelled"
+        assert 0 < body["usage"]["completion_tokens"] < 900
         srv.proc.wait(timeout=30)
         assert "Traceback" not in srv.err(), srv.err()
     finally:

@@ -1,8 +1,9 @@
 """The engine side of `localspec serve --http`: one thread per slot (`--parallel N`; one engine
 when N is 1) takes the queued jobs in arrival order and runs each to its end, reporting its
 events to the event loop (http_server.py streams them). A bounded queue answers 503 with a
-Retry-After estimate when full; shutdown and a lost RPC server end running and queued jobs with
-an error their clients see. A job's failure stays its own: the other slots run on.
+Retry-After estimate when full; a lost RPC server ends running and queued jobs with an error
+their clients see, and so does shutdown, except that a running non-streamed job returns its text
+so far. A job's failure stays its own: the other slots run on.
 """
 
 from __future__ import annotations
@@ -98,8 +99,10 @@ class Worker:
         return self.jobs.busy
 
     def cancel_all(self) -> None:
-        """The server is stopping: refuse new jobs; queued and running ones end at once with a
-        503 their clients see (in-band on a stream), never as a finished answer."""
+        """The server is stopping: refuse new jobs and end the others at once. A queued job
+        gets a 503, a running stream an in-band 503 after the text it has sent, and a running
+        non-streamed job its answer so far (stop_reason "cancelled"), not a 503 that would
+        throw that text away."""
         with self._lock:
             self.closing = True
             for job in self._pending:
@@ -160,9 +163,9 @@ class Worker:
                 job.emit("piece", piece)
         except Exception as e:
             return job.emit("error", internal_error(e))
-        if job.shutdown:                    # cut short: not an answer that merely ended early
+        if job.shutdown and job.req.stream:     # its text is shown: the error says it was cut
             return job.emit("error", shutting_down())
-        job.emit("done", gen.text, gen.stats, gen)
+        job.emit("done", gen.text, gen.stats, gen)  # cut short: stop_reason "cancelled"
 
     def _start(self, job: Job, engine: Engine):
         req = job.req
