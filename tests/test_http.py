@@ -429,6 +429,26 @@ def test_8_clients_x_25_requests_in_order_without_memory_growth(server, tiny_pat
     assert growth < 0.05
 
 
+def test_a_queued_request_whose_client_left_is_not_counted_as_waiting(server):
+    """Issue 65: /health went on counting a queued request whose client had disconnected
+    until its turn came (and it held a --queue place until then)."""
+    long = {"prompt": LONG_PROMPT, "max_tokens": 1_000_000}
+    running = server.open_stream(long)
+    queued = server.open_stream(long, wait_for_data=False)
+    deadline = time.monotonic() + 30
+    while server.get("/health")[1]["queued"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    queued.close()
+    deadline = time.monotonic() + 10
+    while (health := server.get("/health")[1])["queued"] > 0:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+    assert health["busy"] == 1 and health["queue"]["waiting"] == 0    # the other one runs on
+    running.close()
+    server.wait_idle()
+
+
 @pytest.fixture(scope="module")
 def faulty(tiny_path, home):
     srv = Server(tiny_path, home, "--queue", "1", "--ctx", "8192", code=FAULTY)

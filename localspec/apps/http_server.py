@@ -34,12 +34,14 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _watch_disconnect(receive, job: Job) -> None:
-    """Cancel `job` as soon as its client hangs up; the engine checks the flag every step."""
+async def _watch_disconnect(receive, job: Job, worker: Worker) -> None:
+    """Cancel `job` as soon as its client hangs up: the engine checks the flag every step, and
+    a job still queued leaves the queue at once."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             job.cancel.set()
+            worker.withdraw(job)
             return
 
 
@@ -131,7 +133,7 @@ class Service:
     async def _generate(self, request, req: GenRequest):
         job = Job(req, asyncio.get_running_loop())
         self.worker.submit(job)
-        watcher = asyncio.ensure_future(_watch_disconnect(request.receive, job))
+        watcher = asyncio.ensure_future(_watch_disconnect(request.receive, job, self.worker))
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         try:

@@ -91,6 +91,16 @@ class Worker:
                                headers={"Retry-After": str(min(60, max(1, wait)))}) from None
             self._pending.add(job)
 
+    def withdraw(self, job: Job) -> None:
+        """The client of `job` has left. One still queued leaves the queue now, so /health and
+        --queue stop counting it, and ends as cancelled; a running one stops at its next step
+        (job.cancel, which the caller has set)."""
+        with self._lock:
+            if not self.jobs.withdraw(job):
+                return
+            self._pending.discard(job)
+        job.emit("done", "", GenerationStats(stop_reason="cancelled"), None)
+
     def waiting(self) -> int:
         return self.jobs.waiting
 

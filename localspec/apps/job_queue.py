@@ -51,6 +51,16 @@ class JobQueue:
                 self._idle.remove(slot)
                 self._cond.notify_all()     # the next idle slot may be first in line now
 
+    def withdraw(self, job: Any) -> bool:
+        """Take `job` out of the queue if it still waits (its client has left, so it must not
+        count as waiting any more); False when a slot has it or it was never queued."""
+        with self._cond:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return False
+            return True
+
     def close(self) -> None:
         """No more jobs: the slots hand out what is queued, then take() returns None."""
         with self._cond:
