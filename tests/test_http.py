@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from test_serve import Server as StdioServer
+
 KEY = "test-key-123"
 LONG_PROMPT = "prompt 54: eeeee"      # tiny-model greedy run that goes on for thousands of tokens
 HERE = os.path.dirname(__file__)
@@ -342,6 +344,39 @@ def test_bad_completion_bodies_get_openai_errors(server, body, status, param):
 def test_bad_chat_bodies_name_the_field(server, body, param):
     status, reply, _ = server.post("/v1/chat/completions", body)
     assert status == 400 and reply["error"]["param"] == param, reply
+
+
+SHARED_REFUSALS = [
+    {"messages": [{"role": "x", "content": "hi"}]},
+    {"messages": []},
+    {"messages": [{"role": "user"}]},
+    {"messages": [{"role": ["user"], "content": "hi"}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    {"prompt": "hi", "stop": [""]},
+    {"prompt": "hi", "stop": ["x"] * 17},
+    {"prompt": "hi", "stop": [1]},
+    {"prompt": "hi", "stop": 3},
+    {"prompt": "hi", "max_tokens": 0},
+    {"prompt": "hi", "top_p": 2},
+    {"prompt": "hi", "min_p": -0.1},
+    {"prompt": "hi", "seed": "x"},
+]
+
+
+def test_http_and_the_editor_protocol_refuse_the_same_requests_in_the_same_words(
+        server, tiny_path, tmp_path):
+    """Issue 65: the protocol took role "x" and stop [""], which HTTP refuses. One validator
+    (apps/checks.py) now serves both: the same bad field gets the same message on each."""
+    stdio = StdioServer(tiny_path, tmp_path)
+    try:
+        for params in SHARED_REFUSALS:
+            path = "/v1/chat/completions" if "messages" in params else "/v1/completions"
+            status, reply, _ = server.post(path, params)
+            rpc = stdio.call("generate", params)
+            assert status == 400 and rpc["error"]["code"] == -32602, (params, reply, rpc)
+            assert reply["error"]["message"] == rpc["error"]["message"], params
+    finally:
+        assert stdio.close() == 0
 
 
 def test_deeply_nested_bodies_are_400_and_the_server_goes_on(server, tiny_path):

@@ -241,8 +241,11 @@ def test_errors_name_the_protocols_fields_not_command_line_options(server):
     ({"prompt": "a", "min_p": -0.1}, "min_p"),
     ({"prompt": "a", "repeat_penalty": 0}, "repeat_penalty"),
     ({"prompt": "a", "seed": "x"}, "seed"),
-    ({"prompt": "a", "stop": "\n"}, "stop"),
+    ({"prompt": "a", "stop": 3}, "stop"),           # one string is a list of one (as HTTP)
     ({"prompt": "a", "stop": [1]}, "stop[0]"),
+    ({"prompt": "a", "stop": [""]}, "stop"),
+    ({"prompt": "a", "stop": ["x"] * 17}, "stop"),
+    ({"messages": [{"role": "x", "content": "b"}]}, "messages[0].role"),
     ({"prompt": "a", "document": 7}, "document"),
     ({"prompt": "a", "speculate": 1}, "speculate"),
     ({"prompt": "a", "stream": "yes"}, "stream"),

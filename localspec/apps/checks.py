@@ -1,8 +1,9 @@
 """Request checks shared by the front ends that take JSON (the editor protocol and the HTTP API):
 the one JSON parser (no NaN/Infinity, bounded nesting), numbers in range, Unicode text,
-true/false flags, the sampling fields, a draft length within K_LIMIT, and what a client is told
-about the model. Each front end
-passes the exception it answers with; the rules and their messages live here once.
+true/false flags, the sampling fields, stop strings, chat messages, a draft length within
+K_LIMIT, and what a client is told about the model. Each front end passes the exception it
+answers with; the rules and their messages live here once, so both refuse the same requests
+with the same words.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from ..speculative.sampling import SamplingParams
 
 Fail = Callable[[str, str], Exception]    # (field, message) -> the front end's error
 MAX_DEPTH = 100     # arrays/objects inside each other; requests need ~10, recursion dies at ~1000
+MAX_STOPS = 16
+# A message's role as sent -> as the chat template takes it ("developer" is OpenAI's newer name).
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 def no_constants(name: str):
@@ -124,6 +128,69 @@ class Checks:
             repeat_penalty=self.number(params, "repeat_penalty", d.repeat_penalty, 0.0,
                                        lo_open=True),
             seed=self.seed(params))
+
+    def stop(self, params: dict) -> tuple:
+        """`stop`: one string or a list of at most MAX_STOPS, none of them empty (an empty one
+        would stop before the first token).
+
+        Example: stop({"stop": [""]}) raises fail("stop", "'stop' strings must not be empty").
+        """
+        if self._absent(params, "stop"):
+            return ()
+        value = params["stop"]
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list):
+            raise self.fail("stop", "'stop' must be a string or a list of strings")
+        if len(stops) > MAX_STOPS:
+            raise self.fail("stop", f"'stop' takes at most {MAX_STOPS} strings")
+        out = tuple(self.text(s, f"stop[{i}]" if stops is value else "stop")
+                    for i, s in enumerate(stops))
+        if any(s == "" for s in out):
+            raise self.fail("stop", "'stop' strings must not be empty")
+        return out
+
+    def content(self, content, name: str) -> str:
+        """A message's content: a string, or a list of text parts (what newer clients send)."""
+        if isinstance(content, str):
+            return self.text(content, name)
+        if not isinstance(content, list):
+            raise self.fail(name, f"'{name}' must be a string or a list of text parts")
+        texts = []
+        for j, part in enumerate(content):
+            where = f"{name}[{j}]"
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise self.fail(where, f"'{where}': only text parts are supported "
+                                       "({\"type\": \"text\", \"text\": ...})")
+            texts.append(self.text(part.get("text"), f"{where}.text"))
+        return "".join(texts)
+
+    def messages(self, messages) -> list:
+        """Chat `messages` -> [{role, content}] with the roles the chat template takes.
+
+        Example: messages([{"role": "x", "content": "hi"}]) raises fail("messages[0].role",
+        "'messages[0].role' must be one of system, developer, user, assistant (...), got 'x'").
+        """
+        if not isinstance(messages, list) or not messages:
+            raise self.fail("messages", "'messages' must be a non-empty list of {role, content} "
+                                        "objects")
+        out = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise self.fail(where, f"'{where}' must be an object with 'role' and 'content'")
+            role = m.get("role")
+            if not isinstance(role, str) or role not in ROLES:
+                raise self.fail(f"{where}.role", f"'{where}.role' must be one of "
+                                                 f"{', '.join(ROLES)} (tools are not "
+                                                 f"supported), got {role!r}")
+            if m.get("tool_calls"):
+                raise self.fail(f"{where}.tool_calls", "tool calls are not supported by this "
+                                                       "server")
+            content = m.get("content")
+            if content is None and role == "assistant":
+                content = ""
+            out.append({"role": ROLES[role], "content": self.content(content, f"{where}.content")})
+        return out
 
     def draft_length(self, params: dict, name: str) -> Optional[int]:
         """A fixed number of drafts per step (None: adaptive), at most K_LIMIT: a longer one is

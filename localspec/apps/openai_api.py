@@ -31,8 +31,6 @@ TEXT_NEUTRAL = ("n", "best_of", "presence_penalty", "frequency_penalty", "logpro
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
           "stream_options", "top_k", "min_p", "repeat_penalty", "localspec")
 EXTENSION = ("document", "speculate", "k")      # inside "localspec": {...}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-MAX_STOPS = 16
 
 
 DEFAULT_MAX_BODY = 8 << 20   # bytes: a request carrying a whole source file as its document fits
@@ -155,21 +153,6 @@ def _neutral(body: dict, names: Sequence[str]) -> None:
             raise bad(name, f"'{name}' is not supported by this server (accepted: {allowed})")
 
 
-def _stop(value) -> tuple:
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list):
-        raise bad("stop", "'stop' must be a string or a list of strings")
-    if len(stops) > MAX_STOPS:
-        raise bad("stop", f"'stop' takes at most {MAX_STOPS} strings")
-    out = tuple(CHECK.text(s, f"stop[{i}]" if stops is value else "stop")
-                for i, s in enumerate(stops))
-    if any(s == "" for s in out):
-        raise bad("stop", "'stop' strings must not be empty")
-    return out
-
-
 def check_model(body: dict, names: Sequence[str]) -> None:
     """`model` may be left out (one model is served); a name it does not know is a 404."""
     model = body.get("model")
@@ -206,7 +189,7 @@ def _common(body: dict, kind: str, prompt, max_tokens_names: Sequence[str]) -> G
     return GenRequest(
         kind=kind, prompt=prompt,
         sampling=CHECK.sampling(body, temperature_max=2.0),
-        max_tokens=limits[0] if limits else None, stop=_stop(body.get("stop")), stream=stream,
+        max_tokens=limits[0] if limits else None, stop=CHECK.stop(body), stream=stream,
         include_usage=CHECK.flag(options or {}, "include_usage", False),
         document=None if document is None else CHECK.text(document, "localspec.document"),
         speculate=CHECK.flag(ext, "localspec.speculate", True),
@@ -220,43 +203,6 @@ def _object(body) -> dict:
 
 
 # -- requests -------------------------------------------------------------------------------------
-def _content(content, param: str) -> str:
-    """A message's content: a string, or a list of text parts (what newer clients send)."""
-    if isinstance(content, str):
-        return CHECK.text(content, param)
-    if not isinstance(content, list):
-        raise bad(param, f"'{param}' must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        where = f"{param}[{j}]"
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise bad(where, f"'{where}': only text parts are supported "
-                             "({\"type\": \"text\", \"text\": ...})")
-        texts.append(CHECK.text(part.get("text"), f"{where}.text"))
-    return "".join(texts)
-
-
-def parse_messages(messages) -> list:
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(where, f"'{where}' must be an object with 'role' and 'content'")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)} "
-                                       f"(tools are not supported), got {role!r}")
-        if m.get("tool_calls"):
-            raise bad(f"{where}.tool_calls", "tool calls are not supported by this server")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        out.append({"role": ROLES[role], "content": _content(content, f"{where}.content")})
-    return out
-
-
 def _prediction(body: dict) -> Optional[str]:
     """OpenAI's Predicted Outputs ({"type": "content", "content": ...}) is exactly a lookup
     document: text the answer is expected to repeat."""
@@ -265,7 +211,7 @@ def _prediction(body: dict) -> Optional[str]:
         return None
     if not isinstance(pred, dict) or pred.get("type") != "content":
         raise bad("prediction", "'prediction' must be {\"type\": \"content\", \"content\": ...}")
-    return _content(pred.get("content"), "prediction.content")
+    return CHECK.content(pred.get("content"), "prediction.content")
 
 
 def parse_chat(body, model_names: Sequence[str]) -> GenRequest:
@@ -275,7 +221,7 @@ def parse_chat(body, model_names: Sequence[str]) -> GenRequest:
                                                           "prediction"))
     check_model(body, model_names)
     _neutral(body, CHAT_NEUTRAL)
-    req = _common(body, "chat", parse_messages(body.get("messages")),
+    req = _common(body, "chat", CHECK.messages(body.get("messages")),
                   ("max_completion_tokens", "max_tokens"))
     doc = _prediction(body)
     if doc is not None and req.document is None:

@@ -96,12 +96,7 @@ def _prompt(params: dict) -> Prompt:
                                        "(a list of {role, content})")
     if "prompt" in params:
         return CHECK.text(params["prompt"], "prompt")
-    msgs = params["messages"]
-    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-        raise RpcError(INVALID_PARAMS, "'messages' must be a non-empty list of {role, content}")
-    return [{"role": CHECK.text(m.get("role"), f"messages[{i}].role"),
-             "content": CHECK.text(m.get("content"), f"messages[{i}].content")}
-            for i, m in enumerate(msgs)]
+    return CHECK.messages(params["messages"])       # the same rules as HTTP's chat
 
 
 def parse_generate(rid: RequestId, params) -> Job:
@@ -113,10 +108,7 @@ def parse_generate(rid: RequestId, params) -> Job:
         raise RpcError(INVALID_PARAMS, f"unknown parameter '{unknown[0]}' (generate accepts: "
                                        f"{', '.join(GENERATE_PARAMS)})")
     prompt, sampling = _prompt(params), CHECK.sampling(params)
-    stop = params.get("stop", [])
-    if not isinstance(stop, list):
-        raise RpcError(INVALID_PARAMS, "'stop' must be a list of strings")
-    stop = [CHECK.text(s, f"stop[{i}]") for i, s in enumerate(stop)]
+    stop = list(CHECK.stop(params))
     document = params.get("document")
     heal = CHECK.flag(params, "heal", False)
     if heal and not isinstance(prompt, str):
