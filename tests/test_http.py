@@ -584,11 +584,11 @@ def test_stopping_the_server_ends_every_request_as_its_client_can_tell(tiny_path
     srv = Server(tiny_path, home, "--api-key", KEY, "--queue", "2", "--ctx", "8192",
                  "--parallel", "2")
     try:
-        long = {"prompt": LONG_PROMPT, "max_tokens": 1_000_000}
+        long = {"prompt": LONG_PROMPT, "max_tokens": 1_000_000, "temperature": 0}
         running = srv.open_stream(long)
         answer = []
         whole = threading.Thread(target=lambda: answer.append(
-            srv.post("/v1/completions", {**long, "max_tokens": 900}, timeout=120)))
+            srv.post("/v1/completions", long, timeout=120)))
         whole.start()
         deadline = time.monotonic() + 30
         while srv.get("/health")[1]["busy"] < 2:
@@ -609,7 +609,7 @@ def test_stopping_the_server_ends_every_request_as_its_client_can_tell(tiny_path
         assert status == 200, body
         assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["text"]
         assert body["localspec"]["stop_reason"] == "cancelled"
-        assert 0 < body["usage"]["completion_tokens"] < 900
+        assert body["usage"]["completion_tokens"] > 0
         srv.proc.wait(timeout=30)
         assert "Traceback" not in srv.err(), srv.err()
     finally:
