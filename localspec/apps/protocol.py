@@ -1,6 +1,6 @@
-"""The editor protocol's logic: JSON-RPC 2.0 messages, generate params, the request queue and the
-slot threads that run the engines. The transport (lines on stdio) is stdio.py, the command
-cli/serve.py.
+"""The editor protocol's server: the request table and queue, the slot threads that run the
+engines, and the responses. Messages and params as data are protocol_requests.py, the transport
+(lines on stdio) stdio.py, the command cli/serve.py.
 
 A reader thread parses incoming lines and answers `initialize`, `status`, `cancel` and
 `shutdown` at once; generation requests queue for the slots (`--parallel N`: N engines over one
@@ -14,49 +14,28 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Optional, Union
+from dataclasses import replace
+from typing import Iterable, Optional
 
 from .. import __version__
-from ..speculative.engine import Engine, Prompt
+from ..speculative.engine import Engine
 from ..errors import LocalspecError
 from ..files import internal_error_line
 from ..speculative.sampling import SamplingParams
 from ..speculative.stats import GenerationStats
-from .checks import Checks, model_info, parse_json, speculation_info
-from .completion import COMPLETE_PARAMS, REWRITE_PARAMS, parse_complete, parse_rewrite
-from .edit import PROTOCOL, Rewrite
-from .fim import Prefill, infill
+from .checks import model_info, speculation_info
 from .heal import Healed
 from .job_queue import JobQueue
+from .protocol_requests import (DEFAULT_MAX_TOKENS, GENERATION_ERROR, INTERNAL_ERROR,
+                                INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND, NOTE,
+                                DuplicateId, Job, RpcError, parse_envelope, parse_generate,
+                                parse_task)
 
 PROTOCOL_VERSION = 1
-PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
-INVALID_PARAMS, INTERNAL_ERROR, GENERATION_ERROR = -32602, -32603, -32000
 PROGRESS = "generate/progress"     # notification method carrying streamed text
-DEFAULT_MAX_TOKENS = 256
 METHODS = ("initialize", "generate", "complete", "prefill", "rewrite", "cancel", "status",
            "shutdown")
-GENERATE_PARAMS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p",
-                   "repeat_penalty", "seed", "stop", "document", "speculate", "stream", "k",
-                   "heal")
-NOTE = object()                    # the "id" of a notification: it never gets a response
 DEFERRED = object()                # a handler's result: the worker responds later
-
-RequestId = Union[int, str]
-
-
-class RpcError(Exception):
-    """A JSON-RPC error response; `id` is the request id to answer (None when unknown)."""
-
-    def __init__(self, code: int, message: str, id: Optional[RequestId] = None):
-        super().__init__(message)
-        self.code, self.message, self.id = code, message, id
-
-
-class DuplicateId(RpcError):
-    """A generate whose id an unfinished generate holds: the error response carries id null, so
-    a client routing responses by id cannot mistake it for the running request's answer."""
 
 
 def _bug(e: Exception) -> str:
@@ -64,88 +43,6 @@ def _bug(e: Exception) -> str:
     line = internal_error_line(e)
     print(f"localspec: {line}", file=sys.stderr)
     return line
-
-
-@dataclass
-class Job:
-    """One generate request, queued or running. `cancel` is the engine's per-step stop flag."""
-
-    id: RequestId
-    prompt: Prompt
-    sampling: SamplingParams
-    max_tokens: int
-    stop: list
-    document: Optional[str]
-    speculate: bool
-    stream: bool
-    fixed_k: Optional[int] = None        # draft exactly k tokens per step (None: adaptive)
-    kind: str = "generate"               # or "complete", "prefill", "rewrite": `task` runs it
-    task: Optional[Callable] = None      # (engine, job, policy) -> the running task
-    cancel: threading.Event = field(default_factory=threading.Event)
-    heal: bool = False                   # a raw prompt ending inside a token: heal it (heal.py)
-    started: bool = False                # a slot has taken it (for `status`)
-
-
-# -- params --------------------------------------------------------------------------------------
-CHECK = Checks(lambda field, message: RpcError(INVALID_PARAMS, message))
-
-
-def _prompt(params: dict) -> Prompt:
-    if ("prompt" in params) == ("messages" in params):
-        raise RpcError(INVALID_PARAMS, "give exactly one of 'prompt' (a string) or 'messages' "
-                                       "(a list of {role, content})")
-    if "prompt" in params:
-        return CHECK.text(params["prompt"], "prompt")
-    return CHECK.messages(params["messages"])       # the same rules as HTTP's chat
-
-
-def parse_generate(rid: RequestId, params) -> Job:
-    """Validate generate params into a Job; any problem is -32602 naming the field."""
-    if not isinstance(params, dict):
-        raise RpcError(INVALID_PARAMS, "generate takes params as an object")
-    unknown = sorted(set(params) - set(GENERATE_PARAMS))
-    if unknown:
-        raise RpcError(INVALID_PARAMS, f"unknown parameter '{unknown[0]}' (generate accepts: "
-                                       f"{', '.join(GENERATE_PARAMS)})")
-    prompt, sampling = _prompt(params), CHECK.sampling(params)
-    stop = list(CHECK.stop(params))
-    document = params.get("document")
-    heal = CHECK.flag(params, "heal", False)
-    if heal and not isinstance(prompt, str):
-        raise RpcError(INVALID_PARAMS, "'heal' applies to a raw 'prompt' (text that ends where "
-                                       "the completion goes on), not to 'messages'")
-    return Job(rid, prompt, sampling, heal=heal,
-               max_tokens=CHECK.number(params, "max_tokens", DEFAULT_MAX_TOKENS, 1, integer=True),
-               stop=stop, document=None if document is None else CHECK.text(document, "document"),
-               speculate=CHECK.flag(params, "speculate", True),
-               stream=CHECK.flag(params, "stream", True), fixed_k=CHECK.draft_length(params, "k"))
-
-
-def parse_task(rid: RequestId, method: str, params) -> Job:
-    """Validate `complete` or `rewrite` params into a Job (docs/protocol.md)."""
-    if not isinstance(params, dict):
-        raise RpcError(INVALID_PARAMS, f"{method} takes params as an object")
-    allowed = REWRITE_PARAMS if method == "rewrite" else COMPLETE_PARAMS
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise RpcError(INVALID_PARAMS, f"unknown parameter '{unknown[0]}' ({method} accepts: "
-                                       f"{', '.join(allowed)})")
-    sampling = CHECK.sampling(params)
-    if method == "complete":
-        fim = parse_complete(CHECK, params)
-        task = lambda engine, job, policy: infill(  # noqa: E731
-            engine, fim, sampling, job.speculate, job.cancel, policy)
-    elif method == "prefill":               # the buffer of a later `complete`, read ahead
-        fim = parse_complete(CHECK, params)
-        task = lambda engine, job, policy: Prefill(engine, fim, job.cancel)  # noqa: E731
-    else:
-        rw = parse_rewrite(CHECK, params)
-        task = lambda engine, job, policy: Rewrite(  # noqa: E731
-            engine, rw["instruction"], rw["text"], rw["region"], rw["filename"], sampling,
-            rw["max_tokens"], job.speculate, job.cancel, policy, wording=PROTOCOL)
-    return Job(rid, "", sampling, 0, [], None, speculate=CHECK.flag(params, "speculate", True),
-               stream=CHECK.flag(params, "stream", True), fixed_k=CHECK.draft_length(params, "k"),
-               kind=method, task=task)
 
 
 def answer(job: Job, gen) -> dict:
@@ -158,35 +55,6 @@ def answer(job: Job, gen) -> dict:
     if job.kind == "rewrite":           # the cleaned rewrite, or a LocalspecError
         return result(gen.result(), gen.stats)
     return result(gen.text, gen.stats)
-
-
-def parse_envelope(line: bytes):
-    """One stdin line -> (id, method, params); id is NOTE for a notification.
-
-    Example: b'{"jsonrpc":"2.0","id":7,"method":"cancel","params":{"id":3}}'
-    -> (7, "cancel", {"id": 3}). Raises RpcError carrying the id to answer with (None if unknown).
-    """
-    try:
-        msg = parse_json(line)
-    except ValueError as e:
-        raise RpcError(PARSE_ERROR, f"parse error: {e}") from None
-    if not isinstance(msg, dict):
-        what = "batches (arrays) are not supported" if isinstance(msg, list) else \
-            "a message must be a JSON object"
-        raise RpcError(INVALID_REQUEST, f"invalid request: {what}")
-    rid = msg.get("id", NOTE)
-    if rid is not NOTE and (isinstance(rid, bool) or not isinstance(rid, (int, str))):
-        raise RpcError(INVALID_REQUEST, "invalid request: 'id' must be a string or an integer")
-    err = None
-    if msg.get("jsonrpc") != "2.0":
-        err = "'jsonrpc' must be \"2.0\""
-    elif not isinstance(msg.get("method"), str):
-        err = "'method' must be a string" if "method" in msg else "'method' is missing"
-    elif not isinstance(msg.get("params", {}), (dict, list)):
-        err = "'params' must be an object"
-    if err:
-        raise RpcError(INVALID_REQUEST, f"invalid request: {err}", None if rid is NOTE else rid)
-    return rid, msg["method"], msg.get("params", {})
 
 
 # -- the server ----------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import time
 from typing import Iterable, Optional
 
 from .checks import parse_json
-from .protocol import NOTE, RpcError, parse_envelope
+from .protocol_requests import NOTE, RpcError, parse_envelope
 from .stdio import Writer
 
 SUPERVISED = "LOCALSPEC_SUPERVISED"     # set in the child: serve, do not supervise again
