@@ -342,13 +342,43 @@ def test_cancel_stops_a_running_generate_quickly(server):
     # A generate queued behind another is cancelled before it starts; the server goes on.
     a = server.send("generate", {"prompt": LONG_PROMPTS[0], "max_tokens": 1_000_000})
     b = server.send("generate", {"prompt": "queued", "max_tokens": 5})
-    assert server.call("cancel", {"id": b})["result"] == {"cancelled": True}
-    server.call("cancel", {"id": a})
-    resp_a, _ = server.response(a)
-    resp_b, notes_b = server.response(b)
+    cancel_b = server.send("cancel", {"id": b})
+    got = responses(server, cancel_b, b)
+    assert got[cancel_b]["result"] == {"cancelled": True}
+    resp_b = got[b]
     assert resp_b["result"]["text"] == "" and resp_b["result"]["finish_reason"] == "cancelled"
-    assert notes_b == []
+    server.call("cancel", {"id": a})
+    server.response(a)
     assert "result" in server.call("generate", {"prompt": "after", "max_tokens": 2})
+
+
+def responses(server, *ids) -> dict:
+    """The responses to `ids`, in whatever order they come (progress notifications of other
+    requests are skipped; none may belong to these)."""
+    got = {}
+    while len(got) < len(ids):
+        msg = server.recv()
+        if msg.get("id") in ids:
+            got[msg["id"]] = msg
+        else:
+            assert msg.get("params", {}).get("id") not in ids, msg
+    return got
+
+
+def test_a_cancelled_queued_request_leaves_the_queue_at_once(server):
+    """As /health over HTTP (issue 65): a queued request cancelled before its turn is answered
+    and off `status`'s waiting list at once, not when a slot would have reached it."""
+    a = server.send("generate", {"prompt": LONG_PROMPTS[0], "max_tokens": 1_000_000})
+    while server.recv().get("params", {}).get("id") != a:     # a's first piece: it runs
+        pass
+    b = server.send("generate", {"prompt": "queued", "max_tokens": 5})
+    assert server.call("status")["result"]["waiting"] == [b]
+    got = responses(server, server.send("cancel", {"id": b}), b)
+    assert got[b]["result"]["finish_reason"] == "cancelled"
+    status = server.call("status")["result"]
+    assert status["waiting"] == [] and status["running"] == [a], status
+    server.call("cancel", {"id": a})
+    assert server.response(a)[0]["result"]["finish_reason"] in ("cancelled", "eos")
 
 
 def test_200_sequential_requests_do_not_grow_memory(server):

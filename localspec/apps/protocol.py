@@ -152,10 +152,12 @@ class Server:
         replaces = {"complete": ("complete", "prefill"), "prefill": ("prefill",)}.get(method, ())
         with self._lock:                    # the checks and the cancel as one step
             self._admissible(rid)
-            for other in self._jobs.values():
-                if other.kind in replaces:
-                    other.cancel.set()
-            return self._generate(rid, params, job)
+            skipped = [other for other in list(self._jobs.values())
+                       if other.kind in replaces and self._cancel_job(other)]
+            done = self._generate(rid, params, job)
+        for other in skipped:
+            self._finish(other, cancelled_answer(other))
+        return done
 
     def _admissible(self, rid) -> None:
         """Raise the error a new request with this id gets, if any (call under the lock)."""
@@ -172,9 +174,19 @@ class Server:
                                            "request")
         with self._lock:
             job = self._jobs.get(target)
-            if job is not None:
-                job.cancel.set()
-        return {"cancelled": job is not None}
+            skipped = job is not None and self._cancel_job(job)
+        if not skipped:
+            return {"cancelled": job is not None}
+        if rid is not NOTE:                 # this answer first, then the request's, as before
+            self._send({"jsonrpc": "2.0", "id": rid, "result": {"cancelled": True}})
+        self._finish(job, cancelled_answer(job))
+        return DEFERRED
+
+    def _cancel_job(self, job: Job) -> bool:
+        """Set `job`'s stop flag; True when it was still queued and has left the queue (the
+        caller answers it, outside the lock), so that `status` no longer lists it as waiting."""
+        job.cancel.set()
+        return self._queue.withdraw(job)
 
     def _status(self, rid, params) -> dict:
         """What runs and waits now: the slots, how many are busy, the queue, the requests' ids
@@ -205,8 +217,7 @@ class Server:
     def _run(self, job: Job, engine: Engine) -> None:
         job.started = True
         if job.cancel.is_set():             # cancelled while queued: never started
-            return self._finish(job, {"cancelled": True} if job.kind == "prefill" else
-                                result("", GenerationStats(stop_reason="cancelled")))
+            return self._finish(job, cancelled_answer(job))
         policy = None if job.fixed_k is None else \
             replace(engine.config.policy, fixed_k=job.fixed_k)
         try:
@@ -264,6 +275,12 @@ class Server:
     def _send(self, msg: dict) -> None:
         if not self.writer.send(msg):
             self._stop(NOTE)                # the client is gone: stop work and exit
+
+
+def cancelled_answer(job: Job) -> dict:
+    """The response of a job cancelled before it started."""
+    return {"cancelled": True} if job.kind == "prefill" else \
+        result("", GenerationStats(stop_reason="cancelled"))
 
 
 def result(text: str, stats: GenerationStats) -> dict:
