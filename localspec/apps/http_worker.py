@@ -173,9 +173,9 @@ class Worker:
                 job.emit("piece", piece)
         except Exception as e:
             return job.emit("error", internal_error(e))
-        if job.shutdown and job.req.stream:     # its text is shown: the error says it was cut
+        if job.shutdown and job.req.stream:     # its text is out: the error says it was cut
             return job.emit("error", shutting_down())
-        job.emit("done", gen.text, gen.stats, gen)  # cut short: stop_reason "cancelled"
+        job.emit("done", gen.text, gen.stats, gen)  # a shutdown's cut: its text, "cancelled"
 
     def _start(self, job: Job, engine: Engine):
         req = job.req
