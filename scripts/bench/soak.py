@@ -61,7 +61,8 @@ sys.path.insert(0, str(ROOT))
 clock = time.monotonic
 HUGE = 10 ** 6
 STDERR_BAD = re.compile(r"Traceback|Exception in|^ERROR|internal error|ignoring .*moved it|"
-                        r"rejected|Segmentation|Aborted", re.I)
+                        r"rejected|Segmentation|Aborted|failed to decode|inconsistent sequence",
+                        re.I)
 
 
 def say(msg: str) -> None:
@@ -649,6 +650,8 @@ class Soak:
                             "params": {"prefix": spec["prefix"]}}, timeout)
             if ans and ans.get("error", {}).get("code") == -32000:
                 raise Outcome("refused")
+            if ans and ans.get("result", {}).get("finish_reason") == "cancelled":
+                raise Outcome("superseded")     # another client's `complete`, while queued
             raise Outcome("error", f"complete without FIM tokens: {str(ans)[:200]}", False)
         if kind == "oversized":
             ans = srv.call({"jsonrpc": "2.0", "id": rid, "method": "generate", "params": {
@@ -722,13 +725,17 @@ class Soak:
                 return
             self.lone[(surface, sid)] = rec["text"]
 
-    def burst(self, surface: str, n: int, phase: str) -> None:
+    def burst(self, surface: str, n: int, phase: str, slots: int = 0) -> None:
         """n good requests at once (every slot busy, some queued): warms what only
-        concurrency allocates (per-thread arenas, every slot's buffers)."""
+        concurrency allocates (per-thread arenas). With `slots`, first that many requests
+        that run to the end of the context at once: llama.cpp's KV buffer is resident only
+        where it was written, so each slot's is filled once before the baseline (else its
+        first long request shows as growth)."""
         kinds = ["chat", "chat_stream", "text", "text_stream", "fim", "seeded", "doc"]
-        threads = [threading.Thread(target=self.one, args=(surface, kinds[i % len(kinds)],
-                                                           random.Random(i), phase))
-                   for i in range(n)]
+        fill = [threading.Thread(target=self.one, args=(surface, "huge", random.Random(i),
+                                                        phase, "huge1")) for i in range(slots)]
+        threads = fill + [threading.Thread(target=self.one, args=(
+            surface, kinds[i % len(kinds)], random.Random(i), phase)) for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:
@@ -869,8 +876,12 @@ def run(a) -> dict:
     if len(soak.lone) != 2 * sum(soak.fim or v["mode"] != "fim" for v in soak.specs.values()):
         raise SystemExit("soak: the lone runs did not finish; see the messages above")
     say("warm-up bursts")
-    for surface, slots in (("http", 4), ("stdio", 2)):
-        soak.burst(surface, 3 * slots, "warm-up")
+    warm = [threading.Thread(target=soak.burst, args=(surface, 3 * slots, "warm-up", slots))
+            for surface, slots in (("http", 4), ("stdio", 2))]
+    for t in warm:
+        t.start()
+    for t in warm:
+        t.join()
     soak.pause()
     points = [soak.figures("start")]
     soak.resume()
@@ -889,7 +900,7 @@ def run(a) -> dict:
     points.append(soak.figures("middle"))
     soak.resume(["stdio"])
     report["restart"] = kill_and_restart(soak, a, home)
-    soak.burst("http", 12, "warm-up-2")
+    soak.burst("http", 12, "warm-up-2", 4)
     soak.pause()
     points.append({"http": soak.figures("restart")["http"]})
     soak.resume()
@@ -942,9 +953,13 @@ def tally(soak: Soak) -> dict:
             compared += 1
             want = soak.lone[(r["surface"], r["spec"])]
             if r["text"] != want:
+                at = next((i for i, (x, y) in enumerate(zip(want, r["text"])) if x != y),
+                          min(len(want), len(r["text"])))
                 mismatches.append({**{k: r[k] for k in ("surface", "kind", "spec", "phase",
                                                          "epoch", "t0", "s")},
-                                   "lone": want[:200], "got": r["text"][:200]})
+                                   "lone_chars": len(want), "got_chars": len(r["text"]),
+                                   "first_diff": at, "lone": want[max(0, at - 40):at + 80],
+                                   "got": r["text"][max(0, at - 40):at + 80]})
     known = [r.get("detail") for r in soak.records if r["outcome"] == "known"]
     return {"by_kind": dict(sorted(by.items())), "unexplained": unexplained,
             "texts_compared": compared, "texts_equal": compared - len(mismatches),
@@ -1008,8 +1023,9 @@ def print_report(rep: dict, missed: list) -> None:
     out += ["", f"Texts equal to their lone run: {rep['texts_equal']} of {rep['texts_compared']}"
             f" ({len(rep['mismatches'])} differ; {rep['lone_texts']} lone texts)"]
     for m in rep["mismatches"][:10]:
-        out.append(f"  DIFFERS {m['surface']} {m['kind']} {m['spec']}: lone {m['lone']!r} "
-                   f"got {m['got']!r}")
+        out.append(f"  DIFFERS {m['surface']} {m['kind']} {m['spec']} ({m['phase']}): "
+                   f"{m['lone_chars']} / {m['got_chars']} chars, from char {m['first_diff']}: "
+                   f"lone ...{m['lone']!r} got ...{m['got']!r}")
     out += ["", "| server | point | pid | RSS MB | threads | fds (sockets) |", "|---|---|---|---|---|---|"]
     for pt in rep["figures"]:
         for name, f in pt.items():
