@@ -269,6 +269,7 @@ class StdioServer(Server):
     def ready(self, timeout: float) -> None:
         import queue
         self.lock, self.pending, self.null_q = threading.Lock(), {}, queue.Queue()
+        self.null_lock = threading.Lock()
         self.violations: list = []
         threading.Thread(target=self._read, daemon=True).start()
         init = self.call({"jsonrpc": "2.0", "id": "init", "method": "initialize"}, timeout)
@@ -513,11 +514,12 @@ def stdio_cancel(srv: StdioServer, spec: dict, rid, queued: bool, timeout: float
 def stdio_malformed_one(srv: StdioServer, case: tuple, timeout: float) -> None:
     line, code, null_id = case
     if null_id:
-        srv.send(line)
-        try:
-            ans = srv.null_q.get(timeout=timeout)
-        except Exception:                           # noqa: BLE001 - queue.Empty
-            raise Outcome("hang", f"no answer to {line[:60]!r}", False)
+        with srv.null_lock:         # answers with id null cannot be routed: one at a time
+            srv.send(line)
+            try:
+                ans = srv.null_q.get(timeout=timeout)
+            except Exception:                       # noqa: BLE001 - queue.Empty
+                raise Outcome("hang", f"no answer to {line[:60]!r}", False)
     else:
         ans = srv.call(line, timeout)
         if ans is None:
