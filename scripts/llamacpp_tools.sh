@@ -5,7 +5,7 @@
 # (localspec/llama/buildflags.py), into $LOCALSPEC_HOME/llamacpp-bin/llama-cpp-python-VER-KEY/
 # (KEY: the wheel's). 9 CPU-minutes the first time (~5 min on 2 idle cores), seconds after.
 # --target llama-server builds llama.cpp's HTTP server into the same folder instead, for
-# scripts/bench_parallel.py (its tools/ tree too, no web UI, nothing downloaded; see
+# scripts/bench/bench_parallel.py (its tools/ tree too, no web UI, nothing downloaded; see
 # localspec/bench/llamacpp_build.py for the time it took).
 # Progress on stderr, the binary's path on stdout; a failure is one line naming the build log.
 # Usage: scripts/llamacpp_tools.sh [--target llama-speculative-simple|llama-server] [--path]

@@ -1,7 +1,7 @@
-"""scripts/bench_parallel.py end to end in its --quick mode on SmolLM2: real servers on loopback,
-the openai client, every scenario; localspec one at a time and with two slots (and llama.cpp's
-llama-server where it is built: it is built only on demand). What is asserted is the JSON's
-shape and that every text of the two-slot server equals the one-slot server's; no timings.
+"""scripts/bench/bench_parallel.py end to end in its --quick mode on SmolLM2: real servers on
+loopback, the openai client, every scenario; localspec one at a time and with two slots (and
+llama.cpp's llama-server where it is built: it is built only on demand). What is asserted is the
+JSON's shape and that every text of the two-slot server equals the one-slot server's; no timings.
 SmolLM2 has no FIM tokens, so the FIM requests take the script's /v1/completions route."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_parallel.py"
+SCRIPT = ROOT / "scripts" / "bench" / "bench_parallel.py"
 pytestmark = pytest.mark.smollm
 
 

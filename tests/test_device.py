@@ -1,5 +1,5 @@
 """The device lane: localspec with its models on a GPU device (--gpu-layers -1), run by
-`pytest -m device` on a GPU build (scripts/device_lane.sh: Vulkan, on Mesa's lavapipe where there
+`pytest -m device` on a GPU build (scripts/ci/device_lane.sh: Vulkan, on Mesa's lavapipe where there
 is no GPU). Weights and KV cache live in device buffers, the graph is split between backends and
 states are copied to and from the device: the paths CUDA and Metal take too.
 
@@ -40,7 +40,7 @@ def gpu():
     found = [d for d in devices() if d.type in ("GPU", "IGPU")]
     if not found:
         pytest.fail(f"no GPU device ({'/'.join(gpu_backends()) or 'a CPU build'}); run "
-                    "scripts/device_lane.sh, which builds for Vulkan and shows it lavapipe")
+                    "scripts/ci/device_lane.sh, which builds for Vulkan and shows it lavapipe")
     return found[0]
 
 

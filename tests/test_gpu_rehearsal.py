@@ -1,9 +1,10 @@
 """The offline GPU recipe, rehearsed on this machine's CPU as the GPU machine would run it
-(scripts/gpu_rehearse.sh, docs/gpu-offline-recipe.md): a copy of what a call sends, the bundle
-made for it, a Python 3.12 venv holding only the image's packages (this Python where there is no
-3.12), pip with no index, LOCALSPEC_BACKEND=cpu and the CPU wheel ./install.sh cached here, then
-scripts/gpu_run.sh twice as the two calls. A missing wheel in the bundle, a step that broke with
-an engine change, a result file not written: each fails here, not in a GPU machine's minutes.
+(scripts/gpu/gpu_rehearse.sh, docs/gpu-offline-recipe.md): a copy of what a call sends, the
+bundle made for it, a Python 3.12 venv holding only the image's packages (this Python where there
+is no 3.12), pip with no index, LOCALSPEC_BACKEND=cpu and the CPU wheel ./install.sh cached here,
+then scripts/gpu/gpu_run.sh twice as the two calls. A missing wheel in the bundle, a step that
+broke with an engine change, a result file not written: each fails here, not in a GPU machine's
+minutes.
 
 Skipped (with the reason) when no llama-cpp-python wheel is cached under the user's localspec
 cache (./install.sh makes it), when git or xz is missing, when the bundle cannot reach PyPI for
@@ -45,7 +46,8 @@ def rehearsal(tmp_path_factory):
         pytest.skip(f"no llama-cpp-python wheel cached in {home}/wheels (./install.sh makes it)")
     out = tmp_path_factory.mktemp("rehearsal")
     env = dict(os.environ, LOCALSPEC_HOME=str(home), PYTHON=sys.executable)
-    p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_rehearse.sh"), str(out)], env=env,
+    script = REPO / "scripts" / "gpu" / "gpu_rehearse.sh"
+    p = subprocess.run(["bash", str(script), str(out)], env=env,
                        capture_output=True, text=True, timeout=1500)
     if p.returncode == 75:
         pytest.skip("the rehearsal could not be set up here: " + p.stderr.strip()[-300:])

@@ -1,7 +1,7 @@
-"""The GPU run's measurement scripts (scripts/step_overhead.py, scripts/gpu_measure.py) still drive
-the engine correctly, on the tiny model and the CPU: a device session gets few tries, so a script
-broken by an engine change must fail here first. Also the CPU kernel probe beside them
-(scripts/tiled_crossover.py), whose child processes must keep loading a model. Only what the
+"""The GPU run's measurement scripts (scripts/bench/step_overhead.py, scripts/gpu/gpu_measure.py)
+still drive the engine correctly, on the tiny model and the CPU: a device session gets few tries,
+so a script broken by an engine change must fail here first. Also the CPU kernel probe beside them
+(scripts/bench/tiled_crossover.py), whose child processes must keep loading a model. Only what the
 scripts decide is checked (identity, step counts, the prototype swapped in and out); their
 timings are not. And the offline recipe's own scripts: the bundle's arithmetic (gpu_plan.py),
 the diagnostic matrix and its verdict (gpu_diagnose.py), the step results (gpu_result.py); the
@@ -12,7 +12,6 @@ from __future__ import annotations
 import doctest
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,10 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 def load(name):
-    if str(SCRIPTS) not in sys.path:              # gpu_measure imports step_overhead by name
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    """A script as a module: the GPU recipe's gpu_* from scripts/gpu/, the rest from
+    scripts/bench/ (gpu_measure puts scripts/bench/ on sys.path itself, for step_overhead)."""
+    folder = SCRIPTS / ("gpu" if name.startswith("gpu_") else "bench")
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -118,7 +118,7 @@ def test_tiled_crossover_times_both_settings_in_their_own_processes(tiny_path, c
     assert tc.table([pair], [1, 2, 4, 8])[3] == (8, 10.0, 4.0, [0.8])
 
 
-# ---- the offline GPU recipe's own scripts (scripts/gpu_plan.py, gpu_diagnose.py, gpu_result.py)
+# ---- the offline GPU recipe's own scripts (scripts/gpu/: gpu_plan, gpu_diagnose, gpu_result)
 
 
 def test_gpu_plan_requirements_cover_the_offline_install():
@@ -149,7 +149,7 @@ def test_gpu_plan_split_carries_what_the_image_lacks():
     assert carry == ["llm-0.36-py3-none-any.whl", "python_ulid-4.1.0.whl",
                      "typing_extensions-4.16.0.whl"]
     assert provided == ["numpy==2.5.5 numpy-2.5.5-cp312.whl"]
-    image = plan.image_names(SCRIPTS / "gpu_image_packages.txt")
+    image = plan.image_names(SCRIPTS / "gpu" / "gpu_image_packages.txt")
     assert {"numpy", "scipy", "pytest", "click", "jinja2", "cmake", "scikit-build-core"} <= image
     assert not {"llm", "cffi", "gguf", "openai", "sqlite-utils"} & image
 

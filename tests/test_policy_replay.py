@@ -107,7 +107,7 @@ def test_curves_come_from_this_machines_calibration_or_a_json_file(tmp_path, mon
 
 def test_replay_script_reads_this_machines_curve_and_refuses_a_bad_one(tmp_path):
     env = {**os.environ, "LOCALSPEC_HOME": str(tmp_path)}
-    script = Path(__file__).resolve().parents[1] / "scripts" / "policy_replay.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "policy_replay.py"
     cmd = [sys.executable, str(script), "replay", str(RECORDING), "--policies", "new"]
     missing = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stdout == ""
@@ -188,7 +188,7 @@ class Told:
 def test_replay_script_variants_and_calibration(tmp_path):
     """--variant adds the adaptive policy with settings changed; --calibration prints what its
     drafting steps were predicted to gain against what they gained; bad settings are one line."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "policy_replay.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "policy_replay.py"
     cmd = [sys.executable, str(script), "replay", str(RECORDING), "--curve", "xeon",
            "--policies", "new", "--propose-cost", "0.002"]
     ok = subprocess.run(cmd + ["--variant", "never:min_gain=99", "--calibration"],
@@ -216,7 +216,7 @@ def test_replay_script_variants_and_calibration(tmp_path):
 def test_prior_refitted_on_other_recordings_replays_beside_the_shipped_one():
     """fit takes several recordings (ids kept apart); replay --refit-on adds a `refit` policy
     whose prior is fitted on the other recordings, leaving the replayed one out."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "policy_replay.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "policy_replay.py"
     ho3, ho4 = (RECORDING.with_name(f"policy_heldout{n}_zen4.json") for n in (3, 4))
     fit = subprocess.run([sys.executable, str(script), "fit", str(ho3), str(ho4), "--folds", "1"],
                          capture_output=True, text=True)
@@ -247,7 +247,7 @@ def test_prior_refitted_on_other_recordings_replays_beside_the_shipped_one():
 
 
 def _replay_watch():
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    scripts = Path(__file__).resolve().parents[1] / "scripts" / "bench"
     if str(scripts) not in sys.path:
         sys.path.insert(0, str(scripts))
     import replay_watch
@@ -277,7 +277,7 @@ def test_shortfall_counts_the_matches_a_policy_left_undrafted():
 
 
 def test_replay_script_shortfall_watches_without_changing_a_decision():
-    script = Path(__file__).resolve().parents[1] / "scripts" / "policy_replay.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "policy_replay.py"
     cmd = [sys.executable, str(script), "replay", str(RECORDING), "--curve", "xeon",
            "--policies", "old,new", "--variant", "never:min_gain=99"]
     plain = subprocess.run(cmd, capture_output=True, text=True)

@@ -3,7 +3,7 @@
 Same answer as step.step (`verify()` over `target_dist()` rows, then `near_tie()` over `top2_gap()`
 rows) for greedy sampling and point-mass drafts, without what a GPU step cannot afford: a Dist, a
 draw and two random numbers per row, a second argmax and a penalised copy of each row for the
-guard, and rows past the first rejection. Not wired into the engine: scripts/step_overhead.py
+guard, and rows past the first rejection. Not wired into the engine: scripts/bench/step_overhead.py
 swaps greedy_step in for step to measure what it saves (docs/gpu-offline-recipe.md).
 """
 

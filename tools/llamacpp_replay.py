@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))            # the repository
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))  # policy_replay
 
 from tools import replay as rp  # noqa: E402
 from localspec.policy.config import K_LIMIT  # noqa: E402
@@ -205,8 +205,8 @@ def why_paid(step: tuple, k_max: int = K_LIMIT) -> str:
 
 def localspec_policy(prior: Sequence[float], k_max: int = K_LIMIT,
                      settings: Optional[dict] = None):
-    """A maker of the adaptive policy (scripts/policy_replay.py's "new") believing `prior`, with
-    `settings` changed (policy_replay's --variant keys) and drafts of at most k_max (past
+    """A maker of the adaptive policy (scripts/bench/policy_replay.py's "new") believing `prior`,
+    with `settings` changed (policy_replay's --variant keys) and drafts of at most k_max (past
     K_LIMIT a what-if: the limit is lifted in this process)."""
     from policy_replay import make_policies
     import localspec.policy.config as pc

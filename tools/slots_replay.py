@@ -6,7 +6,7 @@ policy, and what a rule for drafting under a shared batch gives over one request
         [--cases ID,ID,...] [--kinds code-edit] [--clients 4] [--curves zen4,zen3,xeon,spr,here]
         [--rules share,rest,trim,priced,plain] [--store] [--verbose]
 
-The workload is scripts/bench_parallel.py's throughput scenario: `--clients` clients at once,
+The workload is scripts/bench/bench_parallel.py's throughput scenario: `--clients` clients at once,
 each through every case in turn, rotated so that they start on different ones; a slot per
 client. One request at a time is each case's lone replay (tools/replay.py) once per client.
 A tick gives every busy slot one step ([last] + drafts); it costs what llama.cpp's split of
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))            # the repository
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))  # policy_replay
 
 from tools import replay as rp  # noqa: E402
 from localspec.llama.batch_shape import Step, tick_cost, trim  # noqa: E402

@@ -1,5 +1,5 @@
 /* ngram_fuzz.c: random-case driver for the n-gram matcher, built with ASan + UBSan by
- * scripts/ngram_sanitize.sh. It replays random interleavings of append / truncate / set_document
+ * scripts/ci/ngram_sanitize.sh. It replays random interleavings of append / truncate / set_document
  * / propose / candidates under all three tie policies and compares every answer (tokens, source,
  * ngram_len, pos) with a brute-force C transcription of the rules in ngram.h (the same rules as
  * tests/ngram_reference.py). Index blocks are malloc'd at their exact size, so any overrun of a

@@ -1,5 +1,5 @@
 """llama.cpp's stock binaries, built once per machine: `llama-speculative-simple` for the
-llamacpp-* bench modes and, on demand, `llama-server` for scripts/bench_parallel.py. From the
+llamacpp-* bench modes and, on demand, `llama-server` for scripts/bench/bench_parallel.py. From the
 vendored llama.cpp of the installed llama-cpp-python's sdist, with the CMake flags install.sh
 builds the wheel with (localspec/llama/buildflags.py), cached beside the wheel under
 $LOCALSPEC_HOME/llamacpp-bin/llama-cpp-python-VERSION-KEY/ (KEY: install.sh's wheel key, so one
@@ -322,7 +322,8 @@ def main(argv: list) -> int:
     ap = argparse.ArgumentParser(prog=BUILD_COMMAND, description="Build llama.cpp's stock "
                                  "binaries from the wheel's vendored source and flags, once.")
     ap.add_argument("--target", choices=(TOOL, SERVER), default=TOOL,
-                    help=f"which binary (default {TOOL}; {SERVER} for scripts/bench_parallel.py)")
+                    help=f"which binary (default {TOOL}; {SERVER} for "
+                         "scripts/bench/bench_parallel.py)")
     ap.add_argument("--path", action="store_true", help="print where it is, built or not")
     ap.add_argument("-j", "--jobs", type=int, default=None, help="compile jobs (default: cores)")
     a = ap.parse_args(argv)

@@ -16,7 +16,7 @@ The backend, first match wins (`decide`):
                                             not count: it runs on this same CPU, slower than ggml's
                                             CPU kernels; llama.cpp itself skips it unless
                                             GGML_VK_VISIBLE_DEVICES names it. The device test lane
-                                            (scripts/device_lane.sh) forces vulkan to run on it.
+                                            (scripts/ci/device_lane.sh) forces vulkan to run on it.
 The CPU flags are the same for every backend (the CPU still runs what is not offloaded), and a
 cpu decision adds nothing to them: the wheel cache key of a CPU build never changes with this file.
 
@@ -184,7 +184,7 @@ def vulkan_fix(missing: tuple) -> str:
     fixes = [f"apt-get install {' '.join(packages)}"] if packages else []
     if NEWER_HEADERS in missing:
         fixes.append("Vulkan headers with VK_EXT_layer_settings (CMAKE_ARGS=-DVulkan_INCLUDE_DIR="
-                     "DIR; scripts/device_lane.sh unpacks Debian 13's libvulkan-dev for this)")
+                     "DIR; scripts/ci/device_lane.sh unpacks Debian 13's libvulkan-dev for this)")
     return "; ".join(fixes) + ", or set VULKAN_SDK to a Vulkan SDK"
 
 

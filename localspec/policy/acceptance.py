@@ -4,8 +4,9 @@ is known when the proposal is made at no model cost; learns online within a requ
 p_i = P(draft i accepted | drafts 0..i-1 accepted) is a logistic model of the draft's features
 (match length, how many earlier occurrences continue the same way, whether the draft token is a
 line break or a sentence end, the running streak and recent share of correct guesses). Its prior
-weights were fitted offline on recorded plain outputs (`scripts/policy_replay.py fit`); within a
-request one logit offset follows what the verifier says. Deterministic: same inputs, same p.
+weights were fitted offline on recorded plain outputs (`scripts/bench/policy_replay.py fit`);
+within a request one logit offset follows what the verifier says. Deterministic: same inputs,
+same p.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ FEATURES = ("bias", "log_len", "share", "lone", "log_support", "log_streak", "de
 
 # Prior weights: logistic regression on the recorded plain outputs of the shipped workloads
 # (Qwen2.5-Coder-1.5B greedy, data/recordings/policy_plain.json, 60,932 conditional positions),
-# refitted with `python scripts/policy_replay.py fit data/recordings/policy_plain.json`: held-out
-# log loss 0.064 per position over two folds, against 0.10-0.13 for a constant rate.
+# refitted with `python scripts/bench/policy_replay.py fit data/recordings/policy_plain.json`:
+# held-out log loss 0.064 per position over two folds, against 0.10-0.13 for a constant rate.
 PRIOR_WEIGHTS = (-5.217, 0.564, 3.137, -0.348, 1.295, 0.736, 0.487, 1.716, -4.893, -2.710, 2.604)
 
 

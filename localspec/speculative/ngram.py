@@ -27,7 +27,7 @@ MAX_CAPACITY = lib.LSNG_MAX_CAPACITY   # most tokens one index holds (2**30)
 # The proposer's defaults, here only (the C params struct has none of its own): NGRAM_MAX, the
 # longest suffix prompt lookup matches (the draft store matches contexts of its own lengths,
 # store.CONTEXT_MIN..CONTEXT_MAX), and the tie rule, chosen by replaying the workloads' plain
-# outputs through the matcher (scripts/policy_replay.py): suffixes up to 8 tokens and the
+# outputs through the matcher (scripts/bench/policy_replay.py): suffixes up to 8 tokens and the
 # earliest occurrence (the quoted source rather than the model's own recent echo of it) predict
 # code edits best: 2.84x vs 2.55x in decode-step units for up to 4 tokens and the most recent
 # occurrence.

@@ -1,5 +1,5 @@
 """Real editors driven headless against a real `localspec serve --stdio` on the tiny model with
-FIM tokens. scripts/editors_setup.sh installs Debian's neovim and emacs-nox (CI runs it)."""
+FIM tokens. scripts/ci/editors_setup.sh installs Debian's neovim and emacs-nox (CI runs it)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 
 def need(program: str, package: str) -> str:
     """The editor's path; the test is skipped, saying why, where it is not installed (CI runs
-    scripts/editors_setup.sh first, which installs it wherever apt-get can)."""
+    scripts/ci/editors_setup.sh first, which installs it wherever apt-get can)."""
     path = shutil.which(program)
     if path is None:
-        pytest.skip(f"{program} is not installed and scripts/editors_setup.sh could not install "
+        pytest.skip(f"{program} is not installed and scripts/ci/editors_setup.sh could not install "
                     f"it here (it needs Debian's {package} through apt-get)")
     return path
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The offline GPU recipe (docs/gpu-offline-recipe.md): runs on the GPU machine what
-# scripts/gpu_bundle.sh packed, step by step in order of value, each step under its own timeout,
+# scripts/gpu/gpu_bundle.sh packed, step by step in order of value, each step under its own timeout,
 # each writing its result file into $OUT when it ends (a run cut short returns what it finished):
 #
 #   step      timeout  result file      what
@@ -28,7 +28,7 @@
 # On a machine without a GPU (LOCALSPEC_BACKEND=cpu: the rehearsal, tests/test_gpu_rehearsal.py)
 # every step but `tests` runs on the CPU (layers 0) and `tests` says "skipped: no GPU" (GPU or
 # not: whether the build sees a GPU device, setup.log's "GPU devices: N").
-# Usage: scripts/gpu_run.sh [STEP ...]     (default: every step not done yet)
+# Usage: scripts/gpu/gpu_run.sh [STEP ...]     (default: every step not done yet)
 # Env: OUT, RUN_BUDGET_S, GPU_LAYERS, IMAGE_PYTHON (python3), FORCE=1 (redo done steps),
 #      <STEP>_TIMEOUT (SETUP_TIMEOUT, ...), DIAG_CASES, DIAG_CASE_TIMEOUT (40), TOKENS (32),
 #      IDENTITY_PROMPTS (20), IDENTITY_KS (8: the scripted drafts' k, comma-separated),
@@ -37,7 +37,7 @@
 #      BENCH_ARGS ("-n 64"), TESTS_ARGS, THREADS (identity, curve, overhead; default: all cores),
 #      GPU_LEAN_BUILD=1 (no flash-attention kernels: a shorter CUDA build)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/.gpu-out}
 STATE=$ROOT/.gpu-state
@@ -168,9 +168,9 @@ join_smollm2() {   # the real SmolLM2-135M, carried in two parts, into the catal
 step_diagnose() {
   local tiny
   tiny=$(tiny_model) || return 1
-  "$VPY" scripts/gpu_diagnose.py matrix "$tiny" --layers "$(layers)" --json "$OUT/diagnose.json" \
-    --budget $(( STEP_TIMEOUT - 5 )) --case-timeout "${DIAG_CASE_TIMEOUT:-40}" \
-    ${DIAG_CASES:+--cases "$DIAG_CASES"}
+  "$VPY" scripts/gpu/gpu_diagnose.py matrix "$tiny" --layers "$(layers)" \
+    --json "$OUT/diagnose.json" --budget $(( STEP_TIMEOUT - 5 )) \
+    --case-timeout "${DIAG_CASE_TIMEOUT:-40}" ${DIAG_CASES:+--cases "$DIAG_CASES"}
   [ -f "$OUT/diagnose.json" ]      # a crashing case is a result, not a failed step
 }
 
@@ -178,7 +178,7 @@ step_identity() {
   local models=() m
   m=$(shape_model smollm2-135m) && models+=("$m")
   models+=("$(tiny_model)")
-  "$VPY" scripts/gpu_measure.py --what "${IDENTITY_WHAT:-identity}" --target "${models[0]}" \
+  "$VPY" scripts/gpu/gpu_measure.py --what "${IDENTITY_WHAT:-identity}" --target "${models[0]}" \
     --also "${models[@]:1}" \
     --gpu-layers "$(layers)" --tokens "${TOKENS:-32}" --prompts "${IDENTITY_PROMPTS:-20}" \
     --scripted-ks "${IDENTITY_KS:-8}" ${THREADS:+--threads "$THREADS"} --json "$OUT/identity.json"
@@ -187,7 +187,7 @@ step_identity() {
 step_parallel() {
   local m
   m=$(shape_model smollm2-135m) || m=$(tiny_model)
-  "$VPY" scripts/gpu_measure.py --what parallel --target "$m" --gpu-layers "$(layers)" \
+  "$VPY" scripts/gpu/gpu_measure.py --what parallel --target "$m" --gpu-layers "$(layers)" \
     --tokens "${PARALLEL_TOKENS:-64}" --prompts "${IDENTITY_PROMPTS:-20}" --slots 4 \
     ${THREADS:+--threads "$THREADS"} --json "$OUT/parallel.json"
 }
@@ -197,13 +197,13 @@ step_curve() {
   m=$(shape_model smollm2-135m) && models+=("$m")
   join_smollm2 2>/dev/null && models+=("$SMOL")
   [ ${#models[@]} -gt 0 ] || models+=("$(tiny_model)")
-  "$VPY" scripts/gpu_measure.py --what curve --target "${models[0]}" --also "${models[@]:1}" \
+  "$VPY" scripts/gpu/gpu_measure.py --what curve --target "${models[0]}" --also "${models[@]:1}" \
     --gpu-layers "$(layers)" --k-max "${K_MAX:-16}" ${THREADS:+--threads "$THREADS"} \
     --json "$OUT/curve.json"
 }
 
 overhead() {   # overhead MODEL JSON
-  "$VPY" scripts/step_overhead.py "$1" --gpu-layers "$(layers)" --ks "${KS:-0,4,8,16}" \
+  "$VPY" scripts/bench/step_overhead.py "$1" --gpu-layers "$(layers)" --ks "${KS:-0,4,8,16}" \
     --tokens "${OVERHEAD_TOKENS:-64}" --reps 1 --fast --profile 8 ${THREADS:+--threads "$THREADS"} \
     --json "$2"
 }
@@ -220,7 +220,7 @@ step_qwen() {      # the default model's shape and its draft's: made here (~1 mi
   local t d draft=()
   t=$(shape_model qwen2.5-coder-1.5b) || return 1
   d=$(shape_model qwen2.5-coder-0.5b) && draft=(--draft "$d")
-  "$VPY" scripts/gpu_measure.py --what curve,draft --target "$t" "${draft[@]}" \
+  "$VPY" scripts/gpu/gpu_measure.py --what curve,draft --target "$t" "${draft[@]}" \
     --gpu-layers "$(layers)" --k-max "${K_MAX:-16}" ${THREADS:+--threads "$THREADS"} \
     --json "$OUT/qwen.json" || return 1
   overhead "$t" "$STATE/qwen-overhead.json" || return 1
@@ -274,7 +274,8 @@ run_step() {
     t=$(( cap < left - 5 ? cap : left - 5 ))
     say "$name (timeout ${t} s)"
     start=$(date +%s)
-    STEP_TIMEOUT=$t timeout -k 10 "$t" bash "$ROOT/scripts/gpu_run.sh" --one "$name" > "$log" 2>&1
+    STEP_TIMEOUT=$t timeout -k 10 "$t" bash "$ROOT/scripts/gpu/gpu_run.sh" --one "$name" \
+      > "$log" 2>&1
     rc=$?
     case $rc in
       0) status=ok; touch "$STATE/$name.done";;
@@ -295,7 +296,8 @@ run_step() {
     echo "setup: $status" >> "$OUT/setup.log"
     say "setup: $status"
   else
-    say "$("$IMAGE_PYTHON" scripts/gpu_result.py "$name" "$OUT/${RESULT[$name]}" "$status" "$log")"
+    say "$("$IMAGE_PYTHON" scripts/gpu/gpu_result.py "$name" "$OUT/${RESULT[$name]}" "$status" \
+             "$log")"
   fi
   [ "$name" != setup ] || [ -f "$STATE/setup.done" ] || return 1   # no setup, no later step
   [ "${rc:-}" != 3 ] || return 3

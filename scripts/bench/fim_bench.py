@@ -12,7 +12,7 @@
            With --prefill, each new buffer is first sent as a `prefill` (what the plugins do
            when a buffer is entered or idle) and "cold" is the first completion after it.
 
-Usage: python scripts/fim_bench.py latency|fim|rewrite [-m MODEL] [--threads 2] [--cold N]
+Usage: python scripts/bench/fim_bench.py latency|fim|rewrite [-m MODEL] [--threads 2] [--cold N]
        [--warm N] [--prefill] [--out FILE.json]
 """
 
@@ -30,10 +30,10 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from localspec.apps.lines import split_lines  # noqa: E402  (the editors' line rule)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ["localspec/apps/checks.py", "localspec/apps/openai_api.py", "localspec/speculative/stats.py",
            "localspec/apps/completion.py", "localspec/cache/disk.py"]
 

@@ -12,9 +12,10 @@
 #      machine could not be set up (no apt-get, a package or header download failed): .ci/run
 #      reports that and goes on, since it says nothing about the code
 # llama.cpp skips CPU-type Vulkan devices unless GGML_VK_VISIBLE_DEVICES names them: 0 here.
-# Usage: scripts/device_lane.sh [pytest args]    Env: LOCALSPEC_DEVICE_VENV, GGML_VK_VISIBLE_DEVICES
+# Usage: scripts/ci/device_lane.sh [pytest args]
+#        Env: LOCALSPEC_DEVICE_VENV, GGML_VK_VISIBLE_DEVICES
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV=${LOCALSPEC_DEVICE_VENV:-.venv-device}
 PACKAGES="mesa-vulkan-drivers libvulkan-dev glslc spirv-headers vulkan-tools"
 t0=$(date +%s)

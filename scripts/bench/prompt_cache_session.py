@@ -7,7 +7,7 @@
 2. `chat --resume`: the time to the first token of a new message after a restart, restoring the
    saved conversation, against re-reading the same conversation (Python API, same engine settings).
 
-    python scripts/prompt_cache_session.py [-m default] [--threads 2] [--json out.json]
+    python scripts/bench/prompt_cache_session.py [-m default] [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # Rehearses the offline GPU recipe on this machine's CPU, as the GPU machine would run it:
 #   1. a copy of what a call sends (tracked + untracked-not-ignored files) in DIR/tree, and the
-#      bundle (scripts/gpu_bundle.sh) made for it: .gpu and .gpu2
+#      bundle (scripts/gpu/gpu_bundle.sh) made for it: .gpu and .gpu2
 #   2. DIR/image: a venv of Python 3.12 (where this machine has one; else this Python, said on
 #      stderr) holding exactly the image's packages the recipe uses (.gpu/image-packages.txt),
 #      installed with no index from the bundle's download cache: the GPU machine's python3
 #   3. the llama-cpp-python CPU wheel that ./install.sh cached here, seeded into the copy's
 #      LOCALSPEC_HOME, so setup installs it instead of building (LOCALSPEC_BACKEND=cpu)
-#   4. scripts/gpu_run.sh, twice, as the two calls: call 1 without .gpu2 (setup ... overhead;
+#   4. scripts/gpu/gpu_run.sh, twice, as the two calls: call 1 without .gpu2 (setup ... overhead;
 #      bench waits for SmolLM2's second part), call 2 with it (bench); each into its own OUT
 #      (DIR/out1, DIR/out2), pip with no index throughout, small sizes and one thread (a
 #      shared 2-core machine slows two spinning threads most), REHEARSAL_BUDGET_S each
 # Exit: 0 when both calls ran every step they could (tests: "skipped: no GPU"), 75 when the
 # bundle could not reach a package index or no CPU wheel is cached (./install.sh first), else 1.
-# Usage: scripts/gpu_rehearse.sh [DIR]     Env: PYTHON (the tools' Python, default .venv/bin/python),
+# Usage: scripts/gpu/gpu_rehearse.sh [DIR]
+#        Env: PYTHON (the tools' Python, default .venv/bin/python),
 #        REHEARSAL_PYTHON (the image's Python; default: python3.12 if found), REHEARSAL_BUDGET_S
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 REPO=$PWD
 PY=${PYTHON:-$REPO/.venv/bin/python}
 DIR=${1:-$(mktemp -d /tmp/gpu-rehearsal.XXXXXX)}
@@ -60,7 +61,7 @@ git ls-files -co --exclude-standard -z | tar --null -T - --ignore-failed-read -c
 # No Qwen specs: a CPU cannot make a random 1.5B model in a rehearsal's minutes.
 GPU_PY_VERSION=$PYV GPU_BUNDLE_OUT=$DIR/tree PYTHON=$PY LOCALSPEC_HOME=$HOME_DIR \
   GPU_BUNDLE_SPECS=smollm2-135m \
-  bash scripts/gpu_bundle.sh 2> "$DIR/bundle.log"
+  bash scripts/gpu/gpu_bundle.sh 2> "$DIR/bundle.log"
 rc=$?
 tail -3 "$DIR/bundle.log" >&2
 [ $rc = 0 ] || { say "gpu_bundle.sh failed (exit $rc; $DIR/bundle.log)"; exit $rc; }
@@ -88,7 +89,7 @@ call() {
      RUN_BUDGET_S=${REHEARSAL_BUDGET_S:-420} DIAG_CASE_TIMEOUT=60 TOKENS=6 IDENTITY_PROMPTS=2 PARALLEL_TOKENS=8 \
      K_MAX=4 KS=0,2 OVERHEAD_TOKENS=4 THREADS=1 \
      BENCH_ARGS="--cases chat-haiku -n 8 --no-warmup --threads 1 --ctx 1024" BENCH_TIMEOUT=300 \
-     bash scripts/gpu_run.sh) > "$DIR/call$n.log" 2>&1
+     bash scripts/gpu/gpu_run.sh) > "$DIR/call$n.log" 2>&1
 }
 call 1; rc1=$?
 say "call 1: exit $rc1 ($(( $(date +%s) - t0 )) s)"

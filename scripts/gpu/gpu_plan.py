@@ -1,9 +1,9 @@
-"""The arithmetic of scripts/gpu_bundle.sh (standard library only, Python >= 3.11).
+"""The arithmetic of scripts/gpu/gpu_bundle.sh (standard library only, Python >= 3.11).
 
-    python scripts/gpu_plan.py reqs [--sdist SDIST.tar.gz]      # what the offline install needs
-    python scripts/gpu_plan.py split REPORT.json [--image scripts/gpu_image_packages.txt]
-    python scripts/gpu_plan.py tree                              # bytes of what travels
-    python scripts/gpu_plan.py halves SIZE FIXED1 FIXED2 [--limit-mib 64] [--margin-mib 2]
+    python scripts/gpu/gpu_plan.py reqs [--sdist SDIST.tar.gz]      # what the offline install needs
+    python scripts/gpu/gpu_plan.py split REPORT.json [--image scripts/gpu/gpu_image_packages.txt]
+    python scripts/gpu/gpu_plan.py tree                              # bytes of what travels
+    python scripts/gpu/gpu_plan.py halves SIZE FIXED1 FIXED2 [--limit-mib 64] [--margin-mib 2]
 
 reqs: localspec's dependencies, its `server` and `test` extras and its build requirements
 (pyproject.toml), plus llama-cpp-python's own dependencies and build requirement (read from the
@@ -35,7 +35,7 @@ import tarfile
 import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # In the image, but carried anyway: a build needs scikit-build-core >= 0.9.2, and openai and
 # pydantic want recent anyio / typing-extensions / h11 / idna; the image's versions are unknown.
 CARRY_ANYWAY = {"scikit-build-core", "anyio", "typing-extensions", "h11", "idna"}
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     r.add_argument("--sdist")
     s = sub.add_parser("split")
     s.add_argument("report")
-    s.add_argument("--image", default=str(REPO / "scripts" / "gpu_image_packages.txt"))
+    s.add_argument("--image", default=str(REPO / "scripts" / "gpu" / "gpu_image_packages.txt"))
     sub.add_parser("tree")
     h = sub.add_parser("halves")
     h.add_argument("size", type=int)

@@ -1,7 +1,8 @@
 """Does the verify cost ratio r(k) depend on how much context is cached? Measures one-token and
 (k+1)-token decodes at several context lengths, interleaved round by round, fastest of `reps`.
 
-    python scripts/cost_vs_context.py [--threads 2] [--reps 5] [--lengths 64,512,1024,2048,3072]
+    python scripts/bench/cost_vs_context.py [--threads 2] [--reps 5]
+           [--lengths 64,512,1024,2048,3072]
 
 Prints ms of a one-token decode and r(k) per context length (stdout), load average (stderr).
 """

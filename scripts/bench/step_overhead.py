@@ -11,13 +11,14 @@ A scripted proposer makes every step draft exactly k tokens:
   accept   drafts the reference (plain greedy) output: every row is verified, k+1 tokens a step
   reject   drafts a wrong first token: k+1 rows decoded, verification stops at row 0
 
-    python scripts/step_overhead.py MODEL.gguf [--ks 0,4,8,16] [--tokens 128] [--gpu-layers -1]
-    python scripts/step_overhead.py --tiny ...     # the test suite's tiny model (sub-ms decode)
+    python scripts/bench/step_overhead.py MODEL.gguf [--ks 0,4,8,16] [--tokens 128]
+           [--gpu-layers -1]
+    python scripts/bench/step_overhead.py --tiny ...   # the test suite's tiny model (sub-ms decode)
     ... --fast            also the prototype (fastpath.greedy_step), interleaved case by case
     ... --profile N       cProfile a k=N accept run of each step; top functions by own time
     ... --json out.json
-    python scripts/step_overhead.py --rows 151936 [--ks ...]   # verification alone, no model
-    python scripts/step_overhead.py MODEL.gguf --adaptive [--threads 2] [--reps 3]
+    python scripts/bench/step_overhead.py --rows 151936 [--ks ...]   # verification alone, no model
+    python scripts/bench/step_overhead.py MODEL.gguf --adaptive [--threads 2] [--reps 3]
 
 --adaptive: what the n-gram mode itself costs per step on the CPU, where the policy mostly
 drafts nothing (chat): plain decoding and the real n-gram proposer with the adaptive policy,
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tools/
 
 import localspec.speculative.engine
 from localspec.llama import backend as llama   # its `C`, patched below to time calls
@@ -254,7 +255,7 @@ def bench_rows(n_vocab: int, ks, penalty: float, reps: int = 200) -> list:
 
 
 def tiny_model(folder: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from tinymodel import make_tiny_gguf
     return make_tiny_gguf(folder / "tiny.gguf", seed=0, logit_scale=3.0)
 

@@ -10,7 +10,7 @@ old rule, which is not cold-equal) this measures, interleaved round by round:
     tokens it evaluated.
 
 Usage (repository root, its .venv):
-  python scripts/grid_cost.py default -n 1500 --rounds 5 --threads 2
+  python scripts/bench/grid_cost.py default -n 1500 --rounds 5 --threads 2
 Prints a Markdown table on stdout; record it with the CPU model, `lscpu` flags and `uptime`.
 """
 
@@ -29,7 +29,7 @@ clock = time.perf_counter
 
 
 def source_tokens(model: Model) -> list:
-    sources = sorted(Path(__file__).parents[1].glob("localspec/**/*.py"))
+    sources = sorted(Path(__file__).parents[2].glob("localspec/**/*.py"))
     return model.tokenize("".join(p.read_text() for p in sources))
 
 

@@ -1,8 +1,8 @@
 """The GPU measurements of issue 16, in one process: cost curve, identity, draft cost, slots.
 
-    python scripts/gpu_measure.py --target T.gguf [--draft D.gguf] [--also M.gguf ...]
-                                  [--gpu-layers -1] [--k-max 32] [--tokens 64] [--json out.json]
-                                  [--what curve,identity,draft,parallel] [--prompts 20]
+    python scripts/gpu/gpu_measure.py --target T.gguf [--draft D.gguf] [--also M.gguf ...]
+                                      [--gpu-layers -1] [--k-max 32] [--tokens 64] [--json out.json]
+                                      [--what curve,identity,draft,parallel] [--prompts 20]
 
 - r(k) for k = 0..k_max of every model (calibrate.measure, best of 5 rounds), and which k the
   policy picks on that curve at a given acceptance (it should draft long where r(k) is flat);
@@ -26,8 +26,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from step_overhead import ScriptedProposer      # this folder is sys.path[0]
-
 from localspec.policy.calibrate import measure
 from localspec.speculative.engine import Engine, EngineConfig
 from localspec.speculative.parallel import Slots
@@ -36,7 +34,9 @@ from localspec.policy.config import PolicyConfig
 from localspec.policy.draft_estimate import DraftPolicy
 from localspec.speculative.sampling import SamplingParams, top2_gap
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))   # scripts/bench/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from step_overhead import ScriptedProposer  # noqa: E402
 from test_speculative import PROMPTS  # noqa: E402  (the suite's 20 identity prompts)
 
 ACCEPTANCE = (0.5, 0.7, 0.8, 0.9, 0.95)

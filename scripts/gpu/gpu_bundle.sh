@@ -5,9 +5,10 @@
 #                examples, web UI, and ggml backends other than CPU, CUDA and RPC), and a wheel for
 #                the machine's Python (GPU_PY_VERSION, 3.12; manylinux x86_64) of every package
 #                the offline `./install.sh` needs that the machine's image lacks
-#                (scripts/gpu_image_packages.txt): the full dependency set of localspec[server,test],
-#                of its build and of llama-cpp-python's, resolved here, then checked: resolved
-#                again with no index, from these wheels and the image's packages alone
+#                (scripts/gpu/gpu_image_packages.txt): the full dependency set of
+#                localspec[server,test], of its build and of llama-cpp-python's, resolved here,
+#                then checked: resolved again with no index, from these wheels and the image's
+#                packages alone
 #   .gpu/specs/  random_gguf.py specs (metadata only, xz) of the cached catalog models
 #   .gpu/smollm2.part1, .gpu2/smollm2.part2   the real SmolLM2-135M (98 MB) in two parts, the
 #                first as large as call 1 allows: sized from this working tree as it is now
@@ -15,20 +16,20 @@
 #   .gpu/image-packages.txt   NAME==VERSION of what the image must provide (the rehearsal's venv)
 # Rerun it right before the calls (seconds, all cached): the parts are re-cut if the tree grew.
 # Exit 75: no package index reachable (nothing here says anything about the code).
-# Usage: scripts/gpu_bundle.sh     Env: PYTHON (default .venv/bin/python), LOCALSPEC_HOME,
+# Usage: scripts/gpu/gpu_bundle.sh     Env: PYTHON (default .venv/bin/python), LOCALSPEC_HOME,
 #        GPU_PY_VERSION (3.12), GPU_BUNDLE_MARGIN_MIB (2), GPU_BUNDLE_QWEN=1 (pull the Qwen models
-#        for their specs: 1.6 GB), GPU_IMAGE_PACKAGES (default scripts/gpu_image_packages.txt),
+#        for their specs: 1.6 GB), GPU_IMAGE_PACKAGES (default scripts/gpu/gpu_image_packages.txt),
 #        GPU_BUNDLE_OUT (where .gpu and .gpu2 go; default this checkout), GPU_BUNDLE_SPECS (the
 #        specs to carry where their models are cached; default "qwen2.5-coder-1.5b
 #        qwen2.5-coder-0.5b smollm2-135m")
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 V=0.3.36                                   # keep in step with install.sh
 PY=${PYTHON:-.venv/bin/python}
 HOME_DIR=${LOCALSPEC_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}
 PYV=${GPU_PY_VERSION:-3.12}
 ABI=cp${PYV/./}
-IMAGE=${GPU_IMAGE_PACKAGES:-scripts/gpu_image_packages.txt}
+IMAGE=${GPU_IMAGE_PACKAGES:-scripts/gpu/gpu_image_packages.txt}
 MARGIN=${GPU_BUNDLE_MARGIN_MIB:-2}
 G=${GPU_BUNDLE_OUT:-.}/.gpu                # GPU_BUNDLE_OUT: another folder (the rehearsal's copy
 G2=${GPU_BUNDLE_OUT:-.}/.gpu2              # of this tree) gets the bundle; sized from this tree
@@ -69,7 +70,7 @@ if [ ! -f "$TRIM" ] || [ "$(tar tzf "$TRIM" | grep -c "ggml/src/ggml-rpc/")" = 0
 fi
 cp -p "$TRIM" "$G/whl/llama_cpp_python-$V.tar.gz"
 
-# 2. Wheels. Every requirement of the offline install (scripts/gpu_plan.py reqs) resolved with
+# 2. Wheels. Every requirement of the offline install (scripts/gpu/gpu_plan.py reqs) resolved with
 # its whole dependency set for the machine's Python into a download cache (not carried), once;
 # then the cache alone resolves it again with no index (pip's report says which wheel each
 # package is); the wheels of packages the image lacks go to .gpu/whl, one version each.
@@ -80,7 +81,7 @@ TARGET=(--only-binary=:all: --python-version "$PYV" --implementation cp --abi "$
         --abi none "${PLATS[@]}")
 CACHE="$HOME_DIR/gpu-wheels/$ABI"
 mkdir -p "$CACHE"
-"$PY" scripts/gpu_plan.py reqs --sdist "$SD/llama_cpp_python-$V.tar.gz" > "$G/requirements.txt"
+"$PY" scripts/gpu/gpu_plan.py reqs --sdist "$SD/llama_cpp_python-$V.tar.gz" > "$G/requirements.txt"
 resolve() {   # resolve() REPORT FIND-LINKS...: offline, for the machine's Python
   local report=$1; shift
   local links=()
@@ -103,7 +104,7 @@ if ! resolve "$TMP/cached.json" "$CACHE" 2>/dev/null; then
   resolve "$TMP/cached.json" "$CACHE"
 fi
 rm -f "$G/whl"/*.whl
-"$PY" scripts/gpu_plan.py split "$TMP/cached.json" --image "$IMAGE" > "$TMP/split"
+"$PY" scripts/gpu/gpu_plan.py split "$TMP/cached.json" --image "$IMAGE" > "$TMP/split"
 sed -n 's/^carry //p' "$TMP/split" | while read -r f; do cp -p "$CACHE/$f" "$G/whl/"; done
 sed -n 's/^image \([^ ]*\) .*/\1/p' "$TMP/split" > "$G/image-packages.txt"
 # The check: the carried wheels plus the image's packages (stood in for by their wheels from the
@@ -145,13 +146,13 @@ done
 # 4. The real SmolLM2-135M in two parts, the first as large as call 1 allows with this tree.
 fbytes() { find "$@" -type f -printf '%s\n' 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
 mib() { awk "BEGIN { printf \"%.1f\", $1 / 1048576 }"; }
-tree=$("$PY" scripts/gpu_plan.py tree)
+tree=$("$PY" scripts/gpu/gpu_plan.py tree)
 S="$HOME_DIR/models/smollm2-135m-instruct-q4_1.gguf"
 if [ -f "$S" ]; then
   size=$(stat -c %s "$S")
   fixed1=$((tree + $(find "$G" -type f ! -name smollm2.part1 -printf '%s\n' | awk '{s+=$1} END {print s+0}')))
   fixed2=$((tree + $(find "$G2" -type f ! -name smollm2.part2 -printf '%s\n' | awk '{s+=$1} END {print s+0}')))
-  read -r p1 p2 < <("$PY" scripts/gpu_plan.py halves "$size" "$fixed1" "$fixed2" \
+  read -r p1 p2 < <("$PY" scripts/gpu/gpu_plan.py halves "$size" "$fixed1" "$fixed2" \
                      --margin-mib "$MARGIN") || exit 1
   if [ "$(stat -c %s "$G/smollm2.part1" 2>/dev/null)" != "$p1" ] || \
      [ "$(stat -c %s "$G2/smollm2.part2" 2>/dev/null)" != "$p2" ]; then

@@ -3,8 +3,8 @@ several batch sizes with the tiled kernel on (llama.cpp's default) and off (GGML
 each setting in its own process (ggml reads the switch once per process), alternated pair by
 pair so a shared machine's drift hits both alike.
 
-    python scripts/tiled_crossover.py [--model default] [--threads 2] [--pairs 3] [--reps 3]
-                                      [--sizes 1,2,4,8,12,16,17,24,32,64,128,256]
+    python scripts/bench/tiled_crossover.py [--model default] [--threads 2] [--pairs 3] [--reps 3]
+                                            [--sizes 1,2,4,8,12,16,17,24,32,64,128,256]
 
 ggml takes the tiled path for every matmul of 8 or more rows (ggml-cpu/tiled/tiled.cpp,
 ggml_tiled_min_batch); below that, repacked Q4_K weights go through a 4-row gemm plus one gemv per

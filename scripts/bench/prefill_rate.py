@@ -5,7 +5,7 @@ localspec/speculative/verify.py; ~900 tokens with the default model) from an emp
 prefill chunks (PREFILL_GRID), after a 32-token warm-up, `--reps` times;
 prints one JSON line with the libraries this process loaded and every rate. Which libraries load
 is the caller's choice: LOCALSPEC_EXACT=0 for llama.cpp's own, LLAMA_CPP_LIB_PATH for a folder.
-Usage: python scripts/prefill_rate.py [-m MODEL] [--threads 2] [--reps 3]
+Usage: python scripts/bench/prefill_rate.py [-m MODEL] [--threads 2] [--reps 3]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from localspec.catalog.models import resolve_model
 from localspec.llama import (PREFILL_GRID, Context, ContextParams, Model, ModelParams,
                              library_account, system_info)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

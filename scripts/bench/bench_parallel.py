@@ -28,8 +28,8 @@ speculation config, ngram-mod; simple: `--spec-type ngram-simple` at its default
 speculation). llama-server is built on demand: scripts/llamacpp_tools.sh --target llama-server.
 
 Usage (repository root, its .venv; a quiet machine):
-  .venv/bin/python scripts/bench_parallel.py --threads 2 --rounds 2 --json out.json
-  .venv/bin/python scripts/bench_parallel.py --quick -m smollm2-135m   # a functional check
+  .venv/bin/python scripts/bench/bench_parallel.py --threads 2 --rounds 2 --json out.json
+  .venv/bin/python scripts/bench/bench_parallel.py --quick -m smollm2-135m   # a functional check
 
 A Markdown summary goes to stdout, progress to stderr, every raw number to --json (rewritten
 after every configuration's turn, so a stopped run keeps what it measured). Servers are killed
@@ -58,7 +58,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 clock = time.perf_counter

@@ -1,13 +1,14 @@
 """Design tool for the draft policy: record plain greedy outputs with the features the acceptance
 model needs, fit its prior, and replay policies offline against any cost curve.
 
-    python scripts/policy_replay.py record out.json [--threads 2] [--exact] [--workloads F]
+    python scripts/bench/policy_replay.py record out.json [--threads 2] [--exact] [--workloads F]
            [--model M]
-    python scripts/policy_replay.py replay out.json [--curve here|epyc|xeon|FILE.json|1,1.5,...]
-           [--prior-curve ...] [--policies old,new] [--cv] [--threads 2] [--per-case]
+    python scripts/bench/policy_replay.py replay out.json
+           [--curve here|epyc|xeon|FILE.json|1,1.5,...] [--prior-curve ...] [--policies old,new]
+           [--cv] [--threads 2] [--per-case]
            [--timing-noise 0.08] [--variant NAME:min_gain=1.2,...] [--calibration]
            [--shortfall] [--refit-on other.json,...] [--llamacpp]
-    python scripts/policy_replay.py fit out.json [more.json ...] [--folds 2]
+    python scripts/bench/policy_replay.py fit out.json [more.json ...] [--folds 2]
 
 Greedy speculation emits plain decoding's tokens, so every step can be scored without the model
 (tools/replay.py says how). `replay` prints, per kind, each policy's speedup over plain in
@@ -21,7 +22,7 @@ default: the same); `--cv` replays each case with an acceptance prior fitted on 
 noise, as on a shared machine; `new-fixed-cost` ignores timings). `--variant` adds the adaptive
 policy with some settings changed (what a design question usually is), `--calibration` prints
 where its acceptance model over- or under-predicts, per kind and draft length, `--shortfall`
-where it falls short of the bound and why (scripts/replay_watch.py); `--refit-on`
+where it falls short of the bound and why (scripts/bench/replay_watch.py); `--refit-on`
 adds the adaptive policy with its acceptance prior refitted on other recordings (the replayed
 one left out), which is how a prior fitted on more data is judged. `--llamacpp` adds llama.cpp's
 own drafters, ngram-simple and ngram-mod (tools/llamacpp_replay.py, which also gives each tool
@@ -40,7 +41,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tools/
 
 from tools import replay as rp
 from localspec.policy.acceptance import FEATURES, AcceptanceConfig

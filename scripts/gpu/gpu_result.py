@@ -1,6 +1,6 @@
-"""What scripts/gpu_run.sh says about a step once it ended (standard library only).
+"""What scripts/gpu/gpu_run.sh says about a step once it ended (standard library only).
 
-    python scripts/gpu_result.py STEP RESULT_FILE STATUS [LOG]
+    python scripts/gpu/gpu_result.py STEP RESULT_FILE STATUS [LOG]
 
 Makes sure RESULT_FILE exists and says how the step ended: a JSON result gets a "status" key
 (and, unless the step ended "ok", "log_tail": the last 40 lines of the step's log); a missing JSON

@@ -1,4 +1,4 @@
-"""Watchers for scripts/policy_replay.py: each wraps one replayed policy, decides nothing (the
+"""Watchers for scripts/bench/policy_replay.py: each wraps one replayed policy, decides nothing (the
 policy chooses exactly as unwatched) and sums what it saw, to say *why* a policy scores what it
 does: `Calibrated` (--calibration) compares the gain its acceptance model predicted for each
 drafting step with the gain the step made; `Shortfall` (--shortfall) says where it falls short
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import sys
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tools/
 
 from tools import replay as rp
 from localspec.policy.acceptance import expected_tokens

@@ -8,7 +8,7 @@ extra sequences of one unified KV cache and switched into seq 0 with llama_memor
 switch is nearly free but whose cells every later decode attends over.
 
 Usage (from the repository root, with its .venv):
-  python scripts/prompt_cache_bench.py smollm2-135m -n 1000 --threads 2 --compare-seq-cp
+  python scripts/bench/prompt_cache_bench.py smollm2-135m -n 1000 --threads 2 --compare-seq-cp
 Prints one JSON object (medians in ms) on stdout; record it with `uptime` load and the CPU model.
 """
 
@@ -32,7 +32,7 @@ clock = time.perf_counter
 
 def prompt_tokens(model: Model, n: int) -> list:
     """n tokens of real code (this repository's sources), so the text is not degenerate."""
-    sources = sorted(Path(__file__).parents[1].glob("localspec/**/*.py"))
+    sources = sorted(Path(__file__).parents[2].glob("localspec/**/*.py"))
     text = "".join(p.read_text() for p in sources)
     tokens = model.tokenize(text)
     if len(tokens) < n:

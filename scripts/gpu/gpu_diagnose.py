@@ -1,8 +1,8 @@
 """Why does a model load crash on this machine? One load per process, each case adding one suspect.
 
-    python scripts/gpu_diagnose.py CASE MODEL.gguf [--layers -1] [--tokens 8]   # one case, here
-    python scripts/gpu_diagnose.py matrix MODEL.gguf [--layers -1] [--json out.json]
-                                   [--cases a,b] [--case-timeout 40] [--budget 150] [--gdb N]
+    python scripts/gpu/gpu_diagnose.py CASE MODEL.gguf [--layers -1] [--tokens 8]   # one case, here
+    python scripts/gpu/gpu_diagnose.py matrix MODEL.gguf [--layers -1] [--json out.json]
+                                       [--cases a,b] [--case-timeout 40] [--budget 150] [--gdb N]
 
 `matrix` runs every case in a child process of its own (`python -X faulthandler`), in the order
 below, and writes the JSON after each one: a run cut short keeps what it finished. A case that
@@ -68,7 +68,7 @@ SUSPECTS = {       # a raw-* case: what it adds to raw
 }
 PROMPT = "The capital of France is"
 GUARD_EXIT = 86      # localspec's fatal-signal guard exits with this (localspec/llama/native.py)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def stage(what: str) -> None:

@@ -6,9 +6,9 @@
 # (the two share csrc/table.h) run on it (libasan preloaded, so numpy's buffers get red zones too).
 # Where valgrind is installed, the driver also runs under memcheck (uninitialised reads).
 # Exits non-zero on any sanitizer or memcheck report, or failed case.
-# usage: scripts/ngram_sanitize.sh [n_cases=200000] [seed=1]       (CC, PYTHON override)
+# usage: scripts/ci/ngram_sanitize.sh [n_cases=200000] [seed=1]       (CC, PYTHON override)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 repo="$(pwd)"
 python="${PYTHON:-$repo/.venv/bin/python}"
 cc="${CC:-gcc}"
