@@ -711,6 +711,14 @@ class Soak:
         for s in surfaces:
             self.gates[s].set()
 
+    def busy(self, surface: str) -> int:
+        import httpx
+        if surface == "http":
+            return httpx.get(self.http.base + "/health", timeout=30).json()["busy"]
+        ans = self.stdio.call({"jsonrpc": "2.0", "id": f"busy-{clock()}", "method": "status"},
+                              30)
+        return (ans or {}).get("result", {}).get("busy", 0)
+
     def figures(self, point: str) -> dict:
         return {s.name: {"point": point, "pid": s.proc.pid, **proc_figures(s.proc.pid)}
                 for s in (self.http, self.stdio)}
@@ -738,7 +746,13 @@ class Soak:
                                                         phase, "huge1")) for i in range(slots)]
         threads = fill + [threading.Thread(target=self.one, args=(
             surface, kinds[i % len(kinds)], random.Random(i), phase)) for i in range(n)]
-        for t in threads:
+        for t in fill:
+            t.start()
+        t0 = clock()                # the fills on every slot first, then the rest queue
+        while fill and all(t.is_alive() for t in fill) and self.busy(surface) < slots \
+                and clock() - t0 < 60:
+            time.sleep(0.1)
+        for t in threads[len(fill):]:
             t.start()
         for t in threads:
             t.join()
