@@ -257,6 +257,26 @@ def test_max_tokens_inside_an_accepted_run_trims_the_cache():
         assert ctx.tokens == [1, 2, 3, 4, 5, 6][:len(ctx.tokens)] and len(ctx.tokens) <= 6
 
 
+def test_a_text_that_runs_to_the_end_of_the_context_ends_where_plain_decoding_ends():
+    """Plain decoding stops before it would decode at the context's last position; speculation
+    must stop at the same token: a verify batch that reached that position gave a fully accepted
+    draft one bonus token more than plain (the soak's 502 tokens against plain's 501)."""
+    prompt = [1, 2, 3]
+    with scripted_engine(ScriptedContext(n_ctx=40), ScriptedProposer({})) as engine:
+        plain = engine.generate(prompt, max_tokens=1000)
+        ref = plain.complete_tokens()
+    assert plain.stats.stop_reason == "context"
+    text = prompt + ref
+    oracle = {n: text[n:n + 8] for n in range(len(prompt), len(text))}   # drafts that all hold
+    for start in range(8):            # every alignment of the drafts against the context's end
+        script = {n: d for n, d in oracle.items() if n >= len(prompt) + start}
+        ctx = ScriptedContext(n_ctx=40)
+        with scripted_engine(ctx, ScriptedProposer(script)) as engine:
+            gen = engine.generate(prompt, max_tokens=1000)
+            assert gen.complete_tokens() == ref, start
+            assert gen.stats.stop_reason == "context" and gen.stats.accepted > 0
+
+
 @pytest.mark.parametrize("prompt", [[], ""])
 def test_empty_prompt_is_a_clear_error(prompt):
     ctx = ScriptedContext()

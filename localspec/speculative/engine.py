@@ -250,7 +250,10 @@ class Engine:
         """Ask the proposer (unless a near-tie must be re-decided alone), run one step, let the
         policy observe it."""
         started = time.perf_counter()
-        room = min(self.ctx.n_ctx - self.ctx.n_past - 1, self.ctx.draft_room())
+        # plain decoding stops before it would decode at the context's last position (the stop
+        # rule in generate), so a verify batch ends one short of it too: else a fully accepted
+        # draft's bonus token is one plain decoding never reaches
+        room = min(self.ctx.n_ctx - self.ctx.n_past - 2, self.ctx.draft_room())
         proposal = propose(self.ctx, self.proposer, req.policy, room) \
             if req.policy is not None and room > 0 and not req.recheck else EMPTY
         survival = ()             # a slot's drafts: what each is worth to its shared tick
