@@ -212,8 +212,10 @@ class SharedContext(Handle):
         return out
 
     def _ends(self, steps: list) -> dict:
-        """Where each sequence's next row goes: a step's own position, else its slot's end."""
-        ends = {s: slot.n_past for s, slot in enumerate(self.slots)}
+        """Where each sequence's next row goes: a step's own position, else where its KV ends
+        (past n_past while its thread has yet to record a decode a tick ran for it)."""
+        ends = {s: int(_b.C.llama_memory_seq_pos_max(self._mem, s)) + 1
+                for s in range(self.n_seq)}
         ends.update({w.seq: w.pos for w in steps})
         return ends
 
@@ -361,8 +363,9 @@ class SeqContext(Context):
                 return
             _b.C.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
             _b.C.llama_memory_seq_cp(self._mem, best.seq, self.seq, -1, -1)
-            self.tokens, self._clean = list(best.tokens), best.clean
-            if not Context.truncate(self, have):
+            # all of best's KV came, rows its thread has yet to record too (_ends): cut at have
+            self.tokens, self._clean = list(best.tokens[:have]), (have, grid)
+            if not _b.C.llama_memory_seq_rm(self._mem, self.seq, have, -1):
                 Context.clear(self)
             self.shared.copies += 1
 
@@ -388,6 +391,7 @@ class SeqContext(Context):
 
     truncate = _locked("truncate")
     clear = _locked("clear")
+    _drop_failed_chunk = _locked("_drop_failed_chunk")
     rows_held = _locked("rows_held")
     reconcile = _locked("reconcile")
     state_size = _locked("state_size")
@@ -408,4 +412,4 @@ class SeqContext(Context):
             return
         with self.shared.lock:
             self._forget_all()
-        self.tokens, self._clean = [], (0, 0)
+            self.tokens, self._clean = [], (0, 0)
