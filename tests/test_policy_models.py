@@ -16,6 +16,7 @@ from localspec.policy import adaptive
 from localspec.errors import LocalspecError
 from localspec.policy import calibrate
 from localspec.policy import costmodel
+from localspec.policy import slices
 from localspec.policy.acceptance import (AcceptanceModel, DraftFeatures, RequestState,
                                          expected_tokens)
 from localspec.policy.adaptive import AdaptivePolicy, RegretGuard
@@ -35,7 +36,7 @@ GUESS = DraftFeatures(list(range(200, 216)), "history", 1, n_occ=9,
 
 
 def test_docstring_examples():
-    for mod in (acceptance, adaptive, costmodel, calibrate):
+    for mod in (acceptance, adaptive, costmodel, calibrate, slices):
         assert doctest.testmod(mod).failed == 0
 
 
@@ -421,30 +422,65 @@ def test_timings_of_one_k_correct_the_whole_curve_when_the_cache_is_too_flat():
     assert steady.ratios() == pytest.approx(EPYC, rel=0.03)
 
 
+class Device:
+    """A context on a fake clock for calibration: a decode of n rows with logits takes `one` x
+    truth[n - 1] seconds (a prefix without logits `one`); the decodes in `stalls` ({(rows, the
+    how-many-th decode of that many rows): factor}) take `factor` times as long."""
+    def __init__(self, clock, truth, one=0.05, stalls=None, path=None):
+        self.clock, self.truth, self.one, self.stalls = clock, truth, one, dict(stalls or {})
+        self.model = type("model", (), {"n_vocab": 100, "path": path, "repacked": True,
+                                        "placement": ""})
+        self.n_threads, self.n_batch = 2, 512
+        self.n_past, self.decoded = 0, []
+
+    def clear(self):
+        self.n_past = 0
+
+    def truncate(self, n):
+        self.n_past = n
+
+    def decode(self, toks, logits):
+        n = len(toks)
+        cost = self.one if logits == "none" else self.one * self.truth[n - 1]
+        self.clock[0] += cost * self.stalls.get((n, self.decoded.count(n)), 1.0)
+        self.n_past += n
+        self.decoded.append(n)
+
+
+def device(tmp_path, monkeypatch, truth, **kw):
+    """A Device whose clock every timing in calibrate.py and slices.py reads."""
+    clock = [0.0]
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"gguf")
+    return Device(clock, truth, path=path, **kw)
+
+
+LINEAR = [1.0 + 0.5 * k for k in range(70)]     # r(k) = 1 + k / 2
+
+
 def test_a_first_run_times_batches_in_slices_that_later_runs_finish(tmp_path, monkeypatch):
-    """With a time budget, calibration is sliced: each slice times the least-timed sizes first,
-    each against its own one-token decode, and the curve is final once every k has
-    FULL_ROUNDS samples. Here a slice's rounds are cut after three sizes, as a budget would."""
+    """With a time budget, calibration is sliced: each slice times the least-timed sizes first
+    (FIRST_KS before the others), each size three times in turn with others, and the curve is
+    final once every k has FULL_ROUNDS plausible samples; then nothing is timed any more."""
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
-
-    Ctx = fake_ctx(tmp_path)
-    asked = []
-
-    def time_batches(ctx, sizes, reps, budget_s=None):
-        asked.append(list(sizes))
-        return [[0.01 * n for n in sizes[:3]]]            # t(n rows) = n x 10 ms
-
-    monkeypatch.setattr(calibrate, "time_batches", time_batches)
-    first = calibrate.load_or_measure(Ctx, k_max=4, budget_s=60)
-    assert asked == [[1, 2, 3, 4, 5], [1, 4, 5, 2, 3], [1, 2, 3, 4, 5]]
-    assert not first.notes["complete"] and first.ratios == (1.0, 2.0, 3.0, 4.0, 5.0)
+    ctx = device(tmp_path, monkeypatch, LINEAR, one=0.01)
+    first = calibrate.load_or_measure(ctx, k_max=16, budget_s=0.5)
+    assert ctx.decoded[:5] == [1, 1, 1, 2, 4]            # prefix, warm-up, reference, k = 1, 3
+    assert not first.notes["complete"] and first.notes["dropped"] == 0
+    assert first.notes["timed"] == [1, 2, 3, 7]          # the spread sizes first
+    assert first.ratios == pytest.approx(LINEAR[:17], rel=1e-3)
     saved = json.loads(next((tmp_path / "calibration").glob("*.json")).read_text())
-    assert saved["complete"] is False and saved["samples"]["3"] == [4.0]
-    second = calibrate.load_or_measure(Ctx, k_max=4, budget_s=60)    # the next run: one more
-    assert second.notes["complete"] and second.ratios == first.ratios
-    asked.clear()
-    assert calibrate.load_or_measure(Ctx, k_max=4, budget_s=60).notes["complete"]
-    assert asked == []                                   # final: cached, nothing timed
+    assert saved["complete"] is False and saved["samples"]["3"] == pytest.approx([2.5] * 3)
+    curve = first
+    for _ in range(20):
+        if curve.notes["complete"]:
+            break
+        curve = calibrate.load_or_measure(ctx, k_max=16, budget_s=0.5)    # the next runs
+    assert curve.notes["complete"] and curve.ratios == pytest.approx(LINEAR[:17], rel=1e-3)
+    n = len(ctx.decoded)
+    assert calibrate.load_or_measure(ctx, k_max=16, budget_s=0.5).notes["complete"]
+    assert len(ctx.decoded) == n                         # final: cached, nothing timed
 
 
 def test_a_sliced_curve_uses_the_sparse_sizes_past_the_dense_ones(tmp_path, monkeypatch):
@@ -454,19 +490,72 @@ def test_a_sliced_curve_uses_the_sparse_sizes_past_the_dense_ones(tmp_path, monk
     where 47 paid)."""
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
 
-    def ms(rows):                                        # flatter past 16 drafts
-        return 10.0 * (rows if rows <= 17 else 17 + 0.5 * (rows - 17))
-
-    monkeypatch.setattr(calibrate, "time_batches",
-                        lambda ctx, sizes, reps, budget_s=None: [[ms(n) / 1000 for n in sizes]])
-    curve = None
-    for _ in range(calibrate.FULL_ROUNDS):
-        curve = calibrate.load_or_measure(fake_ctx(tmp_path), k_max=40, budget_s=60)
+    def r(k):                                            # flatter past 16 drafts
+        return (k + 1 if k <= 16 else 17 + 0.5 * (k - 16)) ** 0.8
+    ctx = device(tmp_path, monkeypatch, [r(n - 1) for n in range(1, 70)], one=0.001)
+    curve = calibrate.load_or_measure(ctx, k_max=40, budget_s=60)
     assert curve.notes["complete"]
     assert calibrate.timed_ks(40)[-3:] == [28, 31, 40]
     for k in (16, 20, 28, 31, 40):
-        assert curve.ratios[k] == pytest.approx(ms(k + 1) / ms(1))
-    assert curve.ratios[30] == pytest.approx(ms(31) / ms(1))   # on the line from 28 to 31
+        assert curve.ratios[k] == pytest.approx(r(k), rel=1e-3)
+    assert curve.ratios[30] == pytest.approx(r(28) + 2 * (r(31) - r(28)) / 3, rel=1e-3)
+
+
+ISSUE_XEON = [1.0, 1.23, 1.36, 1.49, 1.81, 1.98, 2.14, 2.31, 2.63] + \
+    [2.63 + 0.16 * k for k in range(1, 60)]   # issue 63's Xeon, r(1..8), then r(16) ~3.9
+
+
+def test_one_stalled_sample_in_a_first_slice_is_rejected(tmp_path, monkeypatch, capsys):
+    """Issue 63: one sample taken while the host stalled made a 4-row batch cost 6.26 one-token
+    decodes, a curve of r(1..3) = 1.06, 2.59, 6.26 that held for the whole bench. A batch of n
+    rows cannot cost more than n one-token decodes: that sample is dropped (counted, quietly),
+    and the medians of the rest give the true curve; a stalled one-token reference moves
+    nothing either (each batch counts against the median of its three nearest)."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    stalls = {(4, 0): 6.26 / 1.49, (1, 3): 3.0}            # the first 4-row batch; a reference
+    ctx = device(tmp_path, monkeypatch, ISSUE_XEON, one=0.06, stalls=stalls)
+    curve = calibrate.load_or_measure(ctx, k_max=64, budget_s=3.0)
+    assert ctx.clock[0] <= 3.0                             # the first run's budget holds
+    assert curve.notes["dropped"] == 1
+    assert curve.ratios[1:4] == pytest.approx([1.23, 1.36, 1.49], rel=0.01)
+    assert curve.ratios[7] == pytest.approx(2.31, rel=0.01)
+    assert 7 in curve.notes["timed"] and curve.ratios[3] < 2.0
+    assert "threw away" not in capsys.readouterr().err     # a sample, not the slice: quiet
+
+
+def test_a_slice_that_cannot_be_true_is_thrown_away_with_one_line(tmp_path, monkeypatch,
+                                                                  capsys):
+    """A slice whose 2-row batches stalled every time (r(1) 2.4, under the 2.5 a sample may
+    reach) while 4-row ones did not: the curve falls as the batch grows, so nothing of it is
+    kept; one line on stderr says so, and the prior stands until a later run's slice."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    stalls = {(2, i): 2.4 / 1.23 for i in range(3)}
+    ctx = device(tmp_path, monkeypatch, ISSUE_XEON, one=0.06, stalls=stalls)
+    curve = calibrate.load_or_measure(ctx, k_max=16, budget_s=3.0)
+    err = capsys.readouterr().err
+    assert err.count("threw away this run's timing of verify batches") == 1, err
+    assert "the cost fell as the batch grew" in err
+    assert curve.ratios[:3] == pytest.approx([1.0, 1.3, 1.6]) and not curve.notes["complete"]
+    quiet = calibrate.load_or_measure(ctx, k_max=16, budget_s=3.0)   # the next run: healthy
+    assert quiet.ratios[1:4] == pytest.approx([1.23, 1.36, 1.49], rel=0.01)
+    assert "threw away" not in capsys.readouterr().err
+
+
+def test_the_issue_poisoned_cache_heals_at_the_next_run(tmp_path, monkeypatch):
+    """A cache written before these checks (one sample per size, r(3) = 6.26): none of its
+    single samples is a value any more, and the next slice's medians decide."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    ctx = device(tmp_path, monkeypatch, ISSUE_XEON, one=0.06)
+    key = calibrate.curve_key(ctx, 0, 16)
+    (tmp_path / "calibration").mkdir(mode=0o700)
+    (tmp_path / "calibration" / f"{key}.json").write_text(json.dumps({
+        "ratios": [1.0, 1.06, 2.59, 6.26] + [1 + 1.753 * k for k in range(4, 17)],
+        "ms_per_step": 110.0, "complete": False, "remeasured": 0,
+        "samples": {"t0": [0.11], "1": [1.06], "2": [2.59], "3": [6.26]}}))
+    assert calibrate.load_or_measure(ctx, k_max=16, budget_s=0).ratios[3] == pytest.approx(1.9)
+    healed = calibrate.load_or_measure(ctx, k_max=16, budget_s=3.0)
+    assert healed.ratios[3] == pytest.approx(1.49, rel=0.01)
+    assert healed.ratios[7] == pytest.approx(2.31, rel=0.01)
 
 
 class SlowDevice:
@@ -510,7 +599,7 @@ def test_a_budget_bounds_the_whole_timing_call_on_a_slow_device(monkeypatch):
     lavapipe = SlowDevice(clock, one=0.7, compile_s=6.0)
     assert calibrate.time_batches(lavapipe, [1, 2, 3], 1, budget_s=3.0) == [[]]
     assert lavapipe.decoded == [1, 1]                   # the 1-token prefix and the warm-up
-    samples = calibrate._slice(lavapipe, {}, k_max=2, deadline=clock[0] + 1.0)
+    samples = slices.run_slice(lavapipe, {}, k_max=2, deadline=clock[0] + 1.0)
     assert samples == {}                                # nothing timed: the prior stands
     assert calibrate.curve_from_samples(samples, 2).ratios == (1.0, 1.3, 1.6)
 

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-import numpy as np
-
 from .costmodel import Stability, ratio_stability, round_stability
+from .slices import (DENSE_K, FULL_ROUNDS, SPARSE_K, UNKNOWN_SLOPE, fill,  # noqa: F401
+                     plausible, suffix_min, take_slice, timed_ks, value)
 from ..files import cache_dir, env_number, jsonsafe
 from ..files.atomic import atomic_write, set_aside, warn
 from ..llama import Context, system_info, tiled_matmul_off
@@ -29,49 +28,6 @@ CALIBRATION_VERSION = 4       # 3: per-round stability is cached (older curves h
 REMEASURE_NOISY = 2      # loads that re-measure a curve cached as noisy, at most
 BUDGET_ENV = "LOCALSPEC_CALIBRATION_S"
 FIRST_RUN_BUDGET_S = 3.0  # a run without a finished curve times batches this long, then answers
-FULL_ROUNDS = 3           # whole rounds, gathered over the slices of several runs, finish a curve
-MAX_ROUNDS = 8            # rounds kept in the cache file (the newest)
-UNKNOWN_SLOPE = 0.3       # r(k) = 1 + 0.3 k where no batch was timed yet: a middling CPU's
-DENSE_K = 16              # every k up to this is timed; past it only SPARSE_K, and r(k) between
-SPARSE_K = (20, 24, 28, 31, 40, 47, 56, 63, 64)  # them is a straight line (a 65-row batch costs
-                          # ~14 decodes on 2 cores: timing every k to 64 would take minutes).
-                          # 31, 47, 63: batches of 32, 48, 64 rows, where the CPU's repacked
-                          # gemm fills its 16-row blocks; one row more goes through its slower
-                          # rest (AMD Zen 4: r(47) 17.5, r(48) 18.1; r(46) 19.8)
-
-
-def timed_ks(k_max: int) -> list:
-    """The k whose batches a calibration times: all up to DENSE_K, then SPARSE_K and k_max.
-
-    >>> timed_ks(4), timed_ks(40)[-4:]
-    ([1, 2, 3, 4], [24, 28, 31, 40])
-    """
-    dense = list(range(1, min(k_max, DENSE_K) + 1))
-    sparse = sorted({k for k in SPARSE_K if DENSE_K < k <= k_max} | ({k_max} - set(dense)))
-    return dense + sparse
-
-
-def _fill(points: dict, k_max: int) -> list:
-    """r(0..k_max) from r at some k ({k: r}, k=0 is 1): straight lines between them, and past the
-    largest one r(k) grows in proportion to k (the slope of the line from r(0) = 1).
-
-    >>> _fill({2: 2.0, 4: 3.0}, 6)
-    [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
-    """
-    ks, rs = zip(*sorted({0: 1.0, **points}.items()))
-    top = ks[-1]
-    slope = (rs[-1] - 1.0) / top if top else UNKNOWN_SLOPE
-    inside = np.interp(np.arange(top + 1), ks, rs)
-    return [float(r) for r in inside] + [1.0 + slope * k for k in range(top + 1, k_max + 1)]
-
-
-def _suffix_min(ratios: list) -> list:
-    """A spike at k (noise) cannot make k dearer than a larger batch measured cheaper. Real dips
-    survive (repacked CPU kernels work in groups of 4: k=3 can beat k=2)."""
-    for k in range(len(ratios) - 2, 0, -1):
-        ratios[k] = min(ratios[k], ratios[k + 1])
-    ratios[0] = 1.0
-    return ratios
 
 
 def first_run_budget() -> float:
@@ -146,7 +102,7 @@ def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
     rounds = time_batches(ctx, [1] + [k + 1 for k in ks], reps)
     times = [min(r[i] for r in rounds) for i in range(len(ks) + 1)]  # noise only adds time
     one = times[0]
-    ratios = _suffix_min(_fill({k: max(1.0, t / one) for k, t in zip(ks, times[1:])}, k_max))
+    ratios = suffix_min(fill({k: max(1.0, t / one) for k, t in zip(ks, times[1:])}, k_max))
     return CostCurve(tuple(round(r, 3) for r in ratios), ms_per_step=1000 * one,
                      notes={"stability": round_stability(rounds, ks), "samples": {
                          "t0": [r[0] for r in rounds],
@@ -155,43 +111,28 @@ def measure(ctx: Context, k_max: int = 16, reps: int = 5) -> CostCurve:
 
 def curve_from_samples(samples: dict, k_max: int, key: str = "") -> CostCurve:
     """The curve of r(k) samples gathered in slices, maybe over several runs: {"t0": [seconds
-    of one-token decodes], "1": [r(1) ...], ...}. Each r(k) was timed against a one-token
-    decode of its own slice, so a slice taken while the machine was busier throughout counts as
-    slower, not steeper. Per k the median, straight lines between the timed k (the sparse ones
-    past DENSE_K too), past the largest r(k) grows in proportion: measure()'s curve.
+    of one-token decodes], "1": [r(1) ...], ...}. Each r(k) was timed against one-token decodes
+    of its own slice, so a slice taken while the machine was busier throughout counts as
+    slower, not steeper. Per k slices.value(): the median of the plausible samples, once there
+    are enough of them (one sample is no value; a batch dearer than its rows' one-token decodes
+    is no sample). Straight lines between the k that have one (the sparse ones past DENSE_K
+    too), past the largest r(k) grows in proportion: measure()'s curve.
 
-    >>> curve_from_samples({"t0": [0.1, 0.2], "1": [1.5, 1.6, 1.4], "2": [2.0]}, k_max=3).ratios
+    >>> curve_from_samples({"t0": [0.1, 0.2], "1": [1.5, 1.6, 1.4], "2": [2.0, 2.0]}, 3).ratios
     (1.0, 1.5, 2.0, 2.5)
-    >>> curve_from_samples({"t0": [0.1], "1": [1.5], "4": [2.5]}, k_max=5).ratios
+    >>> curve_from_samples({"t0": [0.1], "1": [1.5] * 3, "3": [6.3], "4": [2.5] * 3}, 5).ratios
     (1.0, 1.5, 1.833, 2.167, 2.5, 2.875)
     """
-    points = {k: max(1.0, statistics.median(samples[str(k)]))
-              for k in range(1, k_max + 1) if samples.get(str(k))}
-    ratios = _suffix_min(_fill(points, k_max))  # a spike cannot make k dearer
+    points = {k: max(1.0, v) for k in range(1, k_max + 1)
+              if (v := value(k, samples.get(str(k), []))) is not None}
+    ratios = suffix_min(fill(points, k_max))   # a spike cannot make k dearer
     timed = timed_ks(k_max)                     # the sizes a slice times: k past 16 sparse
-    per_k = [samples.get(str(k), []) for k in timed]
+    per_k = [[r for r in samples.get(str(k), []) if plausible(k, r)] for k in timed]
     base = samples.get("t0", [])
     return CostCurve(tuple(round(r, 3) for r in ratios), 1000 * min(base) if base else 50.0, key,
                      {"stability": ratio_stability(per_k, base, timed), "samples": samples,
-                      "complete": min((len(x) for x in per_k), default=len(base)) >= FULL_ROUNDS})
-
-
-def _slice(ctx: Context, samples: dict, k_max: int, deadline: float) -> dict:
-    """Time batches until `deadline` (perf_counter), the least-timed sizes first, each round
-    against its own one-token decode; returns `samples` with the new r(k) added."""
-    out = {k: list(v) for k, v in samples.items()}
-    for _ in range(FULL_ROUNDS):
-        order = sorted(timed_ks(k_max), key=lambda k: (len(out.get(str(k), [])), k))
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            break
-        (row,) = time_batches(ctx, [1] + [k + 1 for k in order], 1, budget_s=left)
-        if not row:                  # nothing fitted in what was left: the prior stands for now
-            break
-        out.setdefault("t0", []).append(row[0])
-        for k, t in zip(order, row[1:]):
-            out.setdefault(str(k), []).append(t / row[0])
-    return {k: v[-MAX_ROUNDS:] for k, v in out.items()}
+                      "complete": min((len(x) for x in per_k), default=len(base)) >= FULL_ROUNDS,
+                      "timed": sorted(points)})
 
 
 def load_or_measure(ctx: Context, n_gpu_layers: int = 0, k_max: int = 16,
@@ -250,8 +191,9 @@ def sliced(ctx: Context, path, cached: Optional[CostCurve], k_max: int, budget_s
            progress=None) -> CostCurve:
     """One slice of at most `budget_s` seconds added to the samples cached so far: a first run
     answers after it with a rough curve (which the engine refines from every step's timing),
-    and each later run adds a slice until every k has FULL_ROUNDS samples. A finished curve
-    that came out noisy gets slices too, at most REMEASURE_NOISY times."""
+    and each later run adds a slice until every k has FULL_ROUNDS plausible samples. A slice
+    that cannot be true is thrown away, with one line (slices.judge). A finished curve that
+    came out noisy gets slices too, at most REMEASURE_NOISY times."""
     if cached is None and progress:
         who = f"{ctx.model.path.name} with {ctx.n_threads} thread{'s' * (ctx.n_threads != 1)}"
         progress(f"localspec: first speculative run of {who} here: timing batched verification "
@@ -259,7 +201,9 @@ def sliced(ctx: Context, path, cached: Optional[CostCurve], k_max: int, budget_s
                  f"cached in {path.parent})...")
     started = time.perf_counter()
     before = cached.notes.get("samples", {}) if cached is not None else {}
-    curve = curve_from_samples(_slice(ctx, before, k_max, started + budget_s), k_max, path.stem)
+    samples, dropped = take_slice(ctx, before, k_max, started + budget_s, progress or warn)
+    curve = curve_from_samples(samples, k_max, path.stem)
+    curve.notes["dropped"] = dropped
     if cached is None and progress:
         progress(f"localspec: calibrated in {time.perf_counter() - started:.1f} s"
                  f"{'' if curve.notes['complete'] else ' (a first slice)'}.")
