@@ -81,3 +81,39 @@ def test_a_prompt_copied_from_a_slot_whose_thread_has_not_recorded_a_chunk_drops
         shared.close()
     with Context(model, ContextParams(n_ctx=SLOT_CTX, n_threads=2)) as lone:
         assert np.array_equal(lone.sync(head + tail1, grid=64)[0], row)
+
+
+def test_a_prompt_copied_from_another_slot_keeps_its_rows_whatever_that_slot_does_next(
+        tiny_model):
+    """Slot 1 starts from slot 0's first chunk and is cancelled before its first decode; then
+    slot 0 restores another prompt's saved state (the prompt cache, for its next request), and
+    slot 1 runs its prompt again. llama.cpp defers a copy between two sequences' buffers to
+    the next llama_decode, so before the fix that decode copied slot 0's restored rows into
+    slot 1, and its logits were another prompt's (soak finding 5: a document's text parted
+    from its lone run, every one of that run alike). Slot 2 restores a state over a copy the
+    same way. Each now equals a cold prefill's."""
+    import threading
+    model = tiny_model
+    head, tail, other = _tokens(64, 0), _tokens(40, 1), _tokens(100, 3)
+    shared = _shared(model)
+    cancelled = threading.Event()
+    cancelled.set()
+    try:
+        s0, s1, s2 = shared.slots
+        s2.sync(other, grid=64)
+        saved = s2.save_state().copy()
+        s0.sync(head + _tokens(30, 2), grid=64)
+        row, _ = s1.sync(head + tail, stop=cancelled, grid=64)   # copied, then cancelled
+        assert row is None and shared.copies == 1 and s1.n_past == 64
+        s0.restore_state(saved, other, (64, 64))                 # slot 0's next request
+        row1 = s1.sync(head + tail, grid=64)[0].copy()
+        s2.sync(head + tail, stop=cancelled, grid=64)            # a copy from slot 1 ...
+        assert shared.copies == 2
+        s2.restore_state(saved, other, (64, 64))                 # ... then a restore over it
+        row2 = s2.sync(other + [9], grid=64)[0].copy()
+    finally:
+        shared.close()
+    with Context(model, ContextParams(n_ctx=SLOT_CTX, n_threads=2)) as lone:
+        assert np.array_equal(lone.sync(head + tail, grid=64)[0], row1)
+        lone.clear()
+        assert np.array_equal(lone.sync(other + [9], grid=64)[0], row2)

@@ -24,6 +24,7 @@ holds one lock: llama.cpp's memory is not thread-safe.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import time
 from typing import Optional, Sequence
@@ -348,9 +349,10 @@ class SeqContext(Context):
 
     def _adopt_prefix(self, tokens: Sequence[int], grid: int) -> None:
         """Start from a copy of another slot's rows when it holds at least one more whole
-        prompt chunk of `tokens` than this slot does (a shared system prompt or document):
-        llama.cpp copies its whole KV buffer, cells in the same places, and the rows past the
-        common chunks are dropped, so the prefill that follows equals a cold one."""
+        prompt chunk of `tokens` than this slot does (a shared system prompt or document), as
+        a saved state (into cells 0.., as a cold prefill's), rows past the common chunks
+        dropped: the prefill that follows equals a cold one. Not llama_memory_seq_cp, which
+        llama.cpp runs at the next decode, from what the other slot holds by then."""
         def usable(ctx: Context) -> int:
             return cold_prefix(min(ctx.held_prefix(tokens), len(tokens) - 1),
                                ctx.clean, grid)
@@ -361,12 +363,15 @@ class SeqContext(Context):
                     best, have = other, usable(other)
             if best is None:
                 return
-            _b.C.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
-            _b.C.llama_memory_seq_cp(self._mem, best.seq, self.seq, -1, -1)
-            # all of best's KV came, rows its thread has yet to record too (_ends): cut at have
-            self.tokens, self._clean = list(best.tokens[:have]), (have, grid)
-            if not _b.C.llama_memory_seq_rm(self._mem, self.seq, have, -1):
+            state = Context.save_state(best)       # rows its thread has yet to record too
+            Context.clear(self)
+            if not _b.C.llama_state_seq_set_data(self._ctx, state.ctypes.data_as(
+                    ctypes.POINTER(ctypes.c_uint8)), state.size, self.seq) or \
+                    not _b.C.llama_memory_seq_rm(self._mem, self.seq, have, -1):
+                _b.drain_log()
                 Context.clear(self)
+                return
+            self.tokens, self._clean = list(best.tokens[:have]), (have, grid)
             self.shared.copies += 1
 
     def _decode_chunk(self, ctx, tokens: Sequence[int], want: np.ndarray) -> int:
