@@ -191,7 +191,8 @@ def test_replay_script_variants_and_calibration(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "policy_replay.py"
     cmd = [sys.executable, str(script), "replay", str(RECORDING), "--curve", "xeon",
            "--policies", "new", "--propose-cost", "0.002"]
-    ok = subprocess.run(cmd + ["--variant", "never:min_gain=99", "--calibration"],
+    ok = subprocess.run(cmd + ["--variant", "never:min_gain=99,probe_share=0",
+                              "--calibration"],
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     lines = ok.stdout.splitlines()
@@ -279,7 +280,7 @@ def test_shortfall_counts_the_matches_a_policy_left_undrafted():
 def test_replay_script_shortfall_watches_without_changing_a_decision():
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "policy_replay.py"
     cmd = [sys.executable, str(script), "replay", str(RECORDING), "--curve", "xeon",
-           "--policies", "old,new", "--variant", "never:min_gain=99"]
+           "--policies", "old,new", "--variant", "never:min_gain=99,probe_share=0"]
     plain = subprocess.run(cmd, capture_output=True, text=True)
     watched = subprocess.run(cmd + ["--shortfall"], capture_output=True, text=True)
     assert plain.returncode == 0 and watched.returncode == 0, watched.stderr

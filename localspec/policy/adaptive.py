@@ -17,6 +17,7 @@ from .acceptance import AcceptanceModel, DraftFeatures, Offer, RequestState
 from .config import GuardConfig, PolicyConfig
 from .costmodel import CostModel
 from .draft_estimate import DraftPolicy
+from .explore import Exploration
 
 TRACK_PRIOR = 4.0   # survival(): pseudo-drafts, predicted and accepted alike, each request
                     # starts with (its first drafts are weighed as predicted)
@@ -113,9 +114,12 @@ class AdaptivePolicy:
     step calls observe_step(...) with what verification decided and what it cost."""
 
     def __init__(self, cost: CostModel, config: PolicyConfig = PolicyConfig(),
-                 draft: Optional[DraftPolicy] = None):
+                 draft: Optional[DraftPolicy] = None, explore: Optional[Exploration] = None):
         self.cost = cost
         self.config = config
+        # probes of longer drafts, on a budget the engine's requests share (like the cost model)
+        self.explore = explore if explore is not None else \
+            Exploration(config.probe_share, config.probe_timed)
         # A draft model's proposals have none of the n-gram features: they keep the scalar
         # acceptance estimate of draft_estimate.DraftPolicy (and its probes), on the prior cost curve.
         self.draft = draft if draft is not None else DraftPolicy(cost.prior.tolist(), config)
@@ -181,10 +185,13 @@ class AdaptivePolicy:
             r = self.cost.ratio_list()
             depth = self._depth(r, self._evidence(f))
         base = self._logits(f, max(1, depth))   # also when off: the plain step learns from p_0
-        if not depth or not base:
+        if r is None or not base:
             return 0, 0.0
-        k, gain = best_draft(self.acceptance.probs(base), r)
-        return (k, gain) if gain > self.config.min_gain else (0, 0.0)
+        k, gain = best_draft(self.acceptance.probs(base), r) if depth else (0, 0.0)
+        if gain <= self.config.min_gain:
+            k, gain = 0, 0.0
+        n = min(len(f.tokens), self.config.k_max, len(r) - 1)   # now and then a longer probe
+        return self.explore.widen(k, gain, n, self.state.streak, self.cost), gain
 
     def _evidence(self, f: DraftFeatures) -> int:
         """A run of right guesses an offer brings with it: the leading draft-store tokens that
@@ -221,11 +228,17 @@ class AdaptivePolicy:
         n_accepted of them passed the verifier, `emitted` the tokens the step produced (the
         near-tie guard may cut them short, even to none); verify_ms the batch's decode time,
         propose_ms the proposer's."""
+        probe, self.explore.pending = self.explore.pending, None
+        probe = probe if probe is not None and probe.k == k else None
         if verify_ms is not None:
-            self.cost.observe(k, verify_ms)
+            self.cost.observe(k, verify_ms, now=probe is not None)   # a probe's answer: at once
             if not k:
                 self._plain_ms = verify_ms if self._plain_ms is None else \
                     PLAIN_EMA * self._plain_ms + (1.0 - PLAIN_EMA) * verify_ms
+            plain_ms = self._plain_reference()
+            self.explore.earn(verify_ms / plain_ms)
+            if probe is not None:
+                self.explore.charge(probe, len(emitted), verify_ms, plain_ms)
         if f is not None and len(f.tokens):
             base = self._seen[1] if self._seen[0] is f else None
             if k:

@@ -25,6 +25,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .slices import NOISE
+
 
 @dataclass(frozen=True)
 class CostConfig:
@@ -32,7 +34,12 @@ class CostConfig:
     prior_weight: float = 4.0     # observations the cached curve is worth, per k
     noisy_prior_weight: float = 1.0   # ... when its calibration rounds disagreed
     decay: float = 0.99           # per observation: a half-life of ~69 steps
-    clip: float = math.log(3.0)   # |log residual| cap: one descheduled step is not a trend
+    clip: float = math.log(3.0)   # log residual cap, dearer: one descheduled step is no trend
+    clip_fast: float = math.log(8.0)  # ... cheaper: noise only adds time, so a step faster than
+                                  # believed is news (a curve timed on a stalling host)
+    cheaper_tol: float = math.log(1.25)  # a size timed cheaper than its prior by more than this
+                                  # stops believing the prior: its weight falls with the square
+                                  # of the gap (a curve that overstates k is corrected at once)
     solve_every: int = 16         # observations between re-fits (each is ~40 numpy calls)
     slope_weight: float = 1.0     # observations the prior's overall steepness is worth
 
@@ -54,6 +61,9 @@ class CostModel:
         self.config = config
         self.prior = np.maximum(1.0, np.asarray(prior, dtype=np.float64))  # [k_max + 1]
         self.prior[0] = 1.0
+        # no batch of k + 1 rows costs more than k + 1 one-token decodes (plus noise): a cached
+        # curve saying so was timed through a stall (slices.plausible)
+        self.prior = np.minimum(self.prior, (1.0 + NOISE) * np.arange(1, len(self.prior) + 1))
         self._p0 = np.log(self.prior)                # the cached curve's s_k
         self._p = self._p0.copy()                    # prior s_k, rescaled by the learned slope
         self._slope = 1.0                            # r(k) - 1 = slope x (cached r(k) - 1)
@@ -70,6 +80,7 @@ class CostModel:
         self._pending: list = []                     # (k, log ms) observed since the last solve
         self._dirty = False
         self._solved_at = 0
+        self._disagree = 0.0
         self.n_observed = 0
 
     @property
@@ -81,6 +92,15 @@ class CostModel:
         """How much steeper than the cached curve the timings say this machine is now."""
         self._refresh()
         return self._slope
+
+    @property
+    def disagreement(self) -> float:
+        """How far the timings say the cached curve is off: |log(timed r(k) / cached r(k))|,
+        its median over the timed k > 0 weighted by their timings (0 before a refit and
+        before SUSPECT_TIMINGS timings; one size timed once through a stall decides nothing). A curve the steps confirm is not
+        worth probing (explore.py)."""
+        self._refresh()
+        return self._disagree
 
     def ratio(self, k: int) -> float:
         """Current estimate of r(k), >= 1 (a batch is never cheaper than one token)."""
@@ -99,18 +119,27 @@ class CostModel:
         self._refresh()
         return None if self._b is None else math.exp(self._b) * self._r[k]
 
-    def observe(self, k: int, ms: float) -> None:
-        """One timed verify batch of k drafts (k + 1 rows)."""
+    def observe(self, k: int, ms: float, now: bool = False) -> None:
+        """One timed verify batch of k drafts (k + 1 rows); `now`: refit at once (a probe of a
+        size the curve only guessed, whose answer the next choice should see)."""
         c = self.config
         if not c.online or ms <= 0 or not 0 <= k <= self._k_max:
             return
         y = math.log(ms)
         if self._b is not None:   # clip against the prediction as of the last solve
             pred = self._b + self._s[k]
-            y = pred + max(-c.clip, min(c.clip, y - pred))
+            y = pred + max(-c.clip_fast, min(c.clip, y - pred))
         self._pending.append((k, y))    # decayed into _w, _sy at the next solve
         self.n_observed += 1
         self._dirty = True
+        if now:
+            self._solve()
+
+    def timings(self, k: int) -> float:
+        """The decayed weight of the timings of k drafts (1 per timing, 0.99 per later one)."""
+        if self._pending:
+            self._fold_pending()
+        return float(self._w[k]) if 0 <= k <= self._k_max else 0.0
 
     def _refresh(self) -> None:
         if self._dirty and (self._b is None or
@@ -125,17 +154,21 @@ class CostModel:
         counts with v_k = W_k lam^2 / (W_k + lam)^2 (large W_k: s_k explains it, not b)."""
         self._dirty, self._solved_at = False, self.n_observed
         self._fold_pending()
-        lam, w = self._lam, self._w
+        w = self._w
         seen = w > 0
         m = np.divide(self._sy, w, out=np.zeros_like(w), where=seen)
+        lam = np.full(len(w), self._lam)
         for _ in range(2):       # the slope moves the priors, which move b: one more round
             b = self._solve_b(m, w, seen, lam)
             if b is None:
                 return
             self._fit_slope(m - b, w, seen)
+            lam = self._prior_weights(m - b, seen)
         b = self._solve_b(m, w, seen, lam)
         s = (w * (m - b) + lam * self._p) / (w + lam)
         s[0] = 0.0
+        self._disagree = 0.0 if np.sum(w[1:]) < SUSPECT_TIMINGS else \
+            _weighted_median(np.abs(m - b - self._p0)[1:], w[1:])
         self._b, self._s = float(b), s.tolist()
         self._r = np.maximum(1.0, np.exp(s)).tolist()
 
@@ -150,6 +183,15 @@ class CostModel:
             self._w[k] += f
             self._sy[k] += f * y
         self._pending.clear()
+
+    def _prior_weights(self, obs, seen):
+        """[k_max + 1] the prior's weight per k: `lam`, but where k's timings say cheaper than
+        the (rescaled) prior by more than cheaper_tol, lam x (tol / gap)^2. A batch cannot be
+        timed faster than it is, so such a gap is the prior's error, not noise; dearer timings
+        leave the weight alone (one stall must not rewrite a size)."""
+        tol = self.config.cheaper_tol
+        gap = np.where(seen, self._p - obs, 0.0)
+        return self._lam * np.where(gap > tol, (tol / np.maximum(gap, tol)) ** 2, 1.0)
 
     def _solve_b(self, m, w, seen, lam):
         """The least-squares b for the current priors (None: nothing to go on)."""
@@ -175,8 +217,24 @@ class CostModel:
         y = np.exp(obs[use]) - 1.0                 # observed excess cost
         wt, lam = w[use], self.config.slope_weight
         g = (float(np.sum(wt * x[use] * y)) + lam) / (float(np.sum(wt * x[use] ** 2)) + lam)
-        self._slope = min(4.0, max(0.25, g))
+        self._slope = min(4.0, max(0.1, g))
         self._p = np.log(1.0 + self._slope * x)
+
+
+def _weighted_median(values, weights) -> float:
+    """The median of `values` weighted by `weights` (0 where no weight).
+
+    >>> _weighted_median(np.array([0.1, 0.7, 0.2]), np.array([5.0, 1.0, 3.0]))
+    0.1
+    """
+    order = np.argsort(values)
+    cum = np.cumsum(weights[order])
+    if not len(cum) or cum[-1] <= 0:
+        return 0.0
+    return float(values[order][np.searchsorted(cum, cum[-1] / 2)])
+
+
+SUSPECT_TIMINGS = 8.0   # verify batches timed before disagreement() is more than noise
 
 
 # -- calibration stability -------------------------------------------------------------------

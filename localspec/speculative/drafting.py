@@ -14,6 +14,7 @@ from ..policy.calibrate import first_run_budget, load_or_measure
 from ..policy.config import PolicyConfig
 from ..policy.costmodel import CostConfig, CostModel
 from ..policy.draft_estimate import DraftPolicy
+from ..policy.explore import Exploration
 from .config import EngineConfig
 from .factory import fit_to_device
 from .proposers import EMPTY, Proposal, Proposer
@@ -29,6 +30,8 @@ class Drafting:
     def __init__(self, config: EngineConfig, progress: Optional[Callable[[str], None]] = None):
         self.config, self._progress = config, progress
         self.cost: Optional[CostModel] = None   # learns this machine across requests
+        self.explore: Optional[Exploration] = None   # its probes of longer drafts
+        self.curve = None                       # the calibration it started from (bench record)
         self._draft_cost = 0.0
         self._measuring = threading.Lock()      # slots sharing this object measure once
 
@@ -50,7 +53,7 @@ class Drafting:
             return None, None
         if not proposer.uses_draft_model:
             self._draft_cost = 0.0
-        return AdaptivePolicy(self.cost, config, rules), proposer
+        return AdaptivePolicy(self.cost, config, rules, self.explore), proposer
 
     def _measure(self, ctx: Context, proposer: Proposer) -> None:
         """The cost curve (cached, or timed now) and what the proposer's drafting costs. The
@@ -62,6 +65,10 @@ class Drafting:
         rough = (st is not None and st.noisy) or not curve.notes.get("complete", True)
         self.cost = CostModel(curve.ratios, curve.ms_per_step,
                               CostConfig(online=self.config.refit_cost), noisy=rough)
+        policy = self.config.policy      # probes need timings: none with refit_cost off
+        self.explore = Exploration(policy.probe_share if self.config.refit_cost else 0.0,
+                                   policy.probe_timed)
+        self.curve = curve
         self._draft_cost = proposer.draft_cost(curve, self._progress)
 
 
