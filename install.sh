@@ -38,8 +38,14 @@ quiet() {
 
 ARGS=$("$VPY" localspec/llama/buildflags.py --explain)   # prints "backend: X (why)" on stderr
 BACKEND=$("$VPY" localspec/llama/buildflags.py --backend)
+# A GPU wheel is built from the sdist with the series' patches for that backend applied (the
+# Vulkan row limit, patch 0009: off until --exact turns it on), so they are part of its key.
+GPATCH=""
+case $BACKEND in
+  vulkan|cuda) GPATCH=$("$VPY" scripts/patch_series.py key --backend "$BACKEND");;
+esac
 KEY=$("$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:12])' \
-      "$LLAMA_CPP_PYTHON $(uname -s) $(uname -m) $ARGS")
+      "$LLAMA_CPP_PYTHON $(uname -s) $(uname -m) $ARGS${GPATCH:+ patches:$GPATCH}")
 HOME_DIR=${LOCALSPEC_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/localspec}
 WHEELS="$HOME_DIR/wheels/llama-cpp-python-$LLAMA_CPP_PYTHON-$KEY"
 
@@ -59,10 +65,17 @@ if [ "$(cat "$VENV/.llama-build-key" 2>/dev/null)" != "$KEY" ]; then
     echo "Building llama-cpp-python $LLAMA_CPP_PYTHON for $BACKEND ($took;" \
          "log: $LOG) with: $ARGS" >&2
     rm -rf "$WHEELS.tmp" && mkdir -p "$WHEELS.tmp"
+    SOURCE=${LOCALSPEC_LLAMA_SRC:-llama-cpp-python==$LLAMA_CPP_PYTHON}
+    if [ -n "$GPATCH" ]; then
+      SOURCE="$WHEELS.tmp/source"
+      LOCALSPEC_HOME="$HOME_DIR" quiet "applying the $BACKEND patches of the series" \
+        "$VPY" scripts/patch_series.py apply "$SOURCE" --backend "$BACKEND" \
+        ${LOCALSPEC_LLAMA_SRC:+--source "$LOCALSPEC_LLAMA_SRC"}
+    fi
     CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2) \
       quiet "building llama-cpp-python" \
-      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" \
-      "${LOCALSPEC_LLAMA_SRC:-llama-cpp-python==$LLAMA_CPP_PYTHON}"
+      "$VPY" -m pip wheel --no-deps --no-cache-dir -w "$WHEELS.tmp" "$SOURCE"
+    rm -rf "$WHEELS.tmp/source"
     rm -rf "$WHEELS" && mv "$WHEELS.tmp" "$WHEELS"
   fi
   exec 9>&-

@@ -12,6 +12,7 @@ rebases it with `apply --git` (one commit per patch), edits with git, and writes
     (edit; git -C /tmp/llama commit --fixup=<patch's commit>; git rebase -i --autosquash)
     python scripts/patch_series.py refresh /tmp/llama           # rewrite the patch files
     python scripts/patch_series.py check --build                # applies, tree hash, compiles
+    python scripts/patch_series.py apply /tmp/vk --backend vulkan   # a Vulkan wheel's source
 
 Exit status: 0 done, 1 a check failed, 2 usage, 3 a patch no longer applies to the sdist.
 Standard library only: install.sh runs it before localspec is installed.
@@ -189,9 +190,18 @@ def apply_one(tree: Path, patch: Path) -> None:
     run(real, stdin=text)
 
 
+def backend_patches(folder: Path, names: list[str], backend: str) -> list[str]:
+    """The patches of the series that touch only one GPU backend's sources (ggml/src/ggml-NAME/,
+    e.g. vulkan): what install.sh applies to that backend's wheel build."""
+    prefix = f"vendor/llama.cpp/ggml/src/ggml-{backend}/"
+    return [n for n in names if all(p.startswith(prefix) for p in touched(folder, [n]))]
+
+
 def apply(args) -> None:
     folder = series_dir(args)
     names, _ = read_series(folder)
+    if args.backend:
+        names = backend_patches(folder, names, args.backend)
     into = Path(args.dir).resolve()
     unpack(None if args.source else sdist(folder, args.sdist), args.source, into)
     if args.git:
@@ -210,6 +220,17 @@ def apply(args) -> None:
                 stdin=name.removesuffix(".patch") + "\n\n" + header.rstrip("\n") + "\n")
     print(f"{into}: llama-cpp-python {version_of(folder)} with {upto} of {len(names)} patches"
           + (" (git: one commit a patch)" if args.git else ""), file=sys.stderr)
+
+
+def key(args) -> None:
+    folder = series_dir(args)
+    names, _ = read_series(folder)
+    if args.backend:
+        names = backend_patches(folder, names, args.backend)
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update((folder / name).read_bytes())
+    print(digest.hexdigest()[:12] if names else "")
 
 
 def touched(folder: Path, names: list[str]) -> list[str]:
@@ -312,7 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upto", type=int, help="apply only the first N patches")
     p.add_argument("--sdist", help="the sdist .tar.gz (default: cached, else pip downloads it)")
     p.add_argument("--source", help="copy this unpacked source tree instead of the sdist")
+    p.add_argument("--backend", help="apply only the patches that touch nothing but this GPU "
+                   "backend's sources (vulkan, cuda): a GPU wheel's build")
     p.set_defaults(run=apply)
+    p = sub.add_parser("key", help="a hash of the patches apply would apply (install.sh's cache "
+                       "key); empty when none")
+    p.add_argument("--backend", help="as for apply")
+    p.set_defaults(run=key)
     p = sub.add_parser("refresh", help="rewrite the patch files from DIR's commits")
     p.add_argument("dir", help="a tree made by apply --git, edited with git")
     p.set_defaults(run=refresh)

@@ -103,8 +103,19 @@ def _writer(path: str, arch: str, kvs: list) -> gguf.GGUFWriter:
     return w
 
 
-def write_spec(source: str, out: str) -> None:
+def first_layers(arch: str, kvs: list, tensors: list, layers: int) -> tuple:
+    """kvs and tensors of a model cut to its first `layers` blocks: the same widths, heads,
+    vocabulary and weight types (every kernel a full model runs), in fewer decode steps."""
+    kvs = [(k, layers if k == f"{arch}.block_count" else v, vt, sub) for k, v, vt, sub in kvs]
+    keep = [t for t in tensors
+            if not (t[0].startswith("blk.") and int(t[0].split(".")[1]) >= layers)]
+    return kvs, keep
+
+
+def write_spec(source: str, out: str, layers: int | None = None) -> None:
     arch, kvs, tensors, size = read_source(source)
+    if layers:
+        kvs, tensors = first_layers(arch, kvs, tensors, layers)
     w = _writer(out, arch, kvs)
     w.add_key_value(SPEC + "source_name", Path(source).name, VT.STRING)
     w.add_key_value(SPEC + "source_bytes", size, VT.UINT64)
@@ -245,6 +256,8 @@ def main() -> None:
     s = sub.add_parser("spec", help="metadata of a real GGUF -> spec GGUF (no tensor data)")
     s.add_argument("model")
     s.add_argument("-o", "--out", required=True)
+    s.add_argument("--layers", type=int, help="keep only the first N blocks (same widths, "
+                   "vocabulary and weight types; for slow devices such as lavapipe)")
     m = sub.add_parser("make", help="spec -> random-weight GGUF of the same shapes and types")
     m.add_argument("spec")
     m.add_argument("-o", "--out", required=True)
@@ -258,7 +271,7 @@ def main() -> None:
     c.add_argument("b")
     a = ap.parse_args()
     if a.cmd == "spec":
-        write_spec(a.model, a.out)
+        write_spec(a.model, a.out, a.layers)
         print(f"{a.out}: {os.path.getsize(a.out) / 2**20:.2f} MiB", file=sys.stderr)
     elif a.cmd == "make":
         make(a.spec, a.out, FTYPES[a.type] if a.type else None, a.seed, a.logit_scale,

@@ -49,16 +49,19 @@ def _random_gguf():
     return module
 
 
-def random_smollm(source: str, folder: Path, wtype: str) -> Path:
-    """A SmolLM2-135M-shaped GGUF with random `wtype` weights (one of TYPES) in `folder`."""
-    key = (str(folder), wtype)
+def random_smollm(source: str, folder: Path, wtype: str, layers: int | None = None) -> Path:
+    """A SmolLM2-135M-shaped GGUF with random `wtype` weights (one of TYPES) in `folder`; with
+    `layers`, only that many blocks (the same widths, vocabulary and types: the device lane's
+    models, since lavapipe decodes SmolLM2 at ~2 tokens/s)."""
+    key = (str(folder), wtype, layers)
     if key not in _made:
         rg = _random_gguf()
         folder.mkdir(parents=True, exist_ok=True)
-        spec = folder / "smollm2-135m.spec.gguf"
+        cut = f"-{layers}l" if layers else ""
+        spec = folder / f"smollm2-135m{cut}.spec.gguf"
         if not spec.exists():
-            rg.write_spec(source, str(spec))
-        out = folder / f"smollm2-135m-random-{wtype}.gguf"
+            rg.write_spec(source, str(spec), layers)
+        out = folder / f"smollm2-135m{cut}-random-{wtype}.gguf"
         if not out.exists():
             pins = None
             if wtype in PINS:

@@ -45,14 +45,15 @@ TEXT = "Speculative decoding verifies many drafted tokens at once, then keeps th
 VERIFY_SIZES = range(2, min(K_LIMIT, 16) + 2)
 
 
-def every_row_mismatch(path, n_prompt: int, threads: int, sizes=VERIFY_SIZES, runs=None):
+def every_row_mismatch(path, n_prompt: int, threads: int, sizes=VERIFY_SIZES, runs=None,
+                       gpu_layers: int = 0):
     """(batch size, first differing row) for each batch of `sizes` tokens whose rows are not
     bit-identical to decoding the same tokens one at a time after an n_prompt-token context.
     runs [(limit, sizes), ...]: one such list per run, each with the library's row limit as it
     is (limit None), inside exact_rows_raised(limit), or "fast": the default limit with the last
     row's logits left out (not a verify batch: Context does not raise it), all from one context
-    and one set of one-token decodes."""
-    with Model(path, ModelParams()) as model, \
+    and one set of one-token decodes. gpu_layers: on a device (tests/test_device_exact.py)."""
+    with Model(path, ModelParams(n_gpu_layers=gpu_layers)) as model, \
             Context(model, ContextParams(n_ctx=2048, n_threads=threads)) as ctx:
         prompt = model.tokenize(TEXT * 80)[:n_prompt]
         assert len(prompt) == n_prompt

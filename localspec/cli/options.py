@@ -123,14 +123,16 @@ def placement_options(f):
     --gpu-layers, --rpc."""
     return _stack([
         click.option("--exact", is_flag=True, envvar="LOCALSPEC_EXACT",
-                     help="Insist on batch-invariant CPU kernels (speculative output "
-                          "bit-for-bit plain decoding's): localspec's patched ggml-cpu, "
-                          "which install.sh builds and every run loads by default, at "
-                          "llama.cpp's own speed (docs/exactness.md). With this flag a "
-                          "missing library is one error line instead of a fallback to "
+                     help="Insist on batch-invariant kernels (speculative output "
+                          "bit-for-bit plain decoding's): on the CPU localspec's patched "
+                          "ggml-cpu, which install.sh builds and every run loads by default, "
+                          "at llama.cpp's own speed (docs/exactness.md); on a Vulkan GPU "
+                          "(--gpu-layers -1) the row limit of localspec's patched Vulkan "
+                          "library, which this flag switches on (docs/gpu.md). With this flag "
+                          "a missing library is one error line instead of a fallback to "
                           "llama.cpp's own kernels and the near-tie guard "
-                          "(LOCALSPEC_EXACT=0 chooses those). Refused with layers on a GPU "
-                          "or RPC servers, whose batch rows differ from one-token decodes. "
+                          "(LOCALSPEC_EXACT=0 chooses those). Refused with RPC servers and "
+                          "GPU backends without the patch (CUDA, Metal). "
                           "Env: LOCALSPEC_EXACT=1."),
         click.option("--ctx", "n_ctx", type=click.IntRange(64, CTX_MAX), default=ENGINE.n_ctx,
                      show_default=True,

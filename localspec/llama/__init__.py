@@ -7,8 +7,8 @@ through `backend.C`."""
 from .backend import (Device, backend_init_failures, backend_version, batch_invariant_rows,
                       build_has_amx, cpu_features, default_threads, devices,
                       enable_exact_kernels, ggml_function, gpu_backends, library_account,
-                      offload_device_names, quantize, set_log_level, supports_gpu_offload,
-                      system_info, tiled_matmul_off)
+                      offload_device_names, prefer_exact_libraries, quantize, set_log_level,
+                      supports_gpu_offload, system_info, tiled_matmul_off)
 from .context import PREFILL_GRID, Context, ContextParams, cold_prefix
 from .model import Model, ModelParams
 
@@ -16,5 +16,6 @@ __all__ = ["PREFILL_GRID", "Context", "ContextParams", "Device", "Model", "Model
            "backend_init_failures", "backend_version", "batch_invariant_rows", "build_has_amx",
            "cold_prefix", "cpu_features", "default_threads", "devices", "enable_exact_kernels",
            "ggml_function", "gpu_backends", "library_account", "offload_device_names",
+           "prefer_exact_libraries",
            "quantize", "set_log_level", "supports_gpu_offload", "system_info",
            "tiled_matmul_off"]

@@ -238,11 +238,17 @@ class _Feature(ctypes.Structure):
 def cpu_features() -> dict:
     """The CPU backend's own feature list, e.g. {"AVX2": "1", "BATCH_INVARIANT": "32"}: asked of
     ggml's CPU registry entry only, so no GPU backend is touched. Read once per process."""
-    if "cpu_features" not in _state:
-        reg = ggml_function("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)(b"CPU")
-        addr = ggml_function("ggml_backend_reg_get_proc_address", ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_char_p)(reg, b"ggml_backend_get_features") \
-            if reg else None
+    return backend_features("CPU")
+
+
+def backend_features(name: str) -> dict:
+    """One ggml backend's feature list ({} where the backend is not registered or lists none),
+    e.g. localspec's patched Vulkan library: {"BATCH_INVARIANT_SET": "1"}. Read once per process
+    and backend."""
+    key = f"features:{name}"
+    if key not in _state:
+        reg = backend_reg(name)
+        addr = backend_proc(reg, "ggml_backend_get_features")
         found = {}
         if addr:
             get = ctypes.CFUNCTYPE(ctypes.POINTER(_Feature), ctypes.c_void_p)(addr)
@@ -251,8 +257,22 @@ def cpu_features() -> dict:
                 if not features[i].name:
                     break
                 found[features[i].name.decode()] = (features[i].value or b"").decode()
-        _state["cpu_features"] = found
-    return _state["cpu_features"]
+        _state[key] = found
+    return _state[key]
+
+
+def backend_reg(name: str):
+    """ggml's registry entry for a backend by name ("CPU", "Vulkan", "CUDA"), or None."""
+    return ggml_function("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)(
+        name.encode())
+
+
+def backend_proc(reg, name: str):
+    """The address a backend's registry entry gives for a function name, or None."""
+    if not reg:
+        return None
+    return ggml_function("ggml_backend_reg_get_proc_address", ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_char_p)(reg, name.encode())
 
 
 def backend_version() -> str:
@@ -394,6 +414,13 @@ def enable_exact_kernels() -> None:
         raise LocalspecError("--exact needs localspec's batch-invariant build of ggml-cpu, but "
                              f"this process loaded {library_account()}; rerun ./install.sh "
                              "(without LOCALSPEC_EXACT_LIBS=0).")
+
+
+def prefer_exact_libraries() -> None:
+    """Load llama.cpp, if this is the process's first use of it, with the batch-invariant
+    libraries where install.sh laid them out, without insisting on them (a GPU build's --exact:
+    the GPU backend's own switch is what it needs; the CPU copy serves layers left on the CPU)."""
+    _load_llama_cpp(exact=True)
 
 
 def tiled_matmul_off() -> bool:

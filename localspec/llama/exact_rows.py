@@ -9,7 +9,8 @@ import ctypes
 import threading
 
 from ..errors import LocalspecError
-from .backend import _state, batch_invariant_rows, cpu_features, ggml_function, library_account
+from .backend import (_state, backend_features, backend_proc, backend_reg, batch_invariant_rows,
+                      cpu_features, ggml_function, library_account)
 
 
 def exact_rows_settable() -> bool:
@@ -95,3 +96,49 @@ def exact_for(n_rows: int):
     if n_rows >= 32 and exact_rows_settable():
         return exact_rows_raised(n_rows + 1)
     return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU backends: localspec's patched Vulkan library (patch 0009-vulkan-batch-invariant-rows) has a
+# row limit of its own, 0 (off) until set: batches of fewer rows compute every row as a one-row
+# batch does. Found through the backend's registry entry (its feature list says
+# BATCH_INVARIANT_SET = 1; the setter and getter are looked up by name), so a build without the
+# patch simply has none.
+
+DEVICE_BACKENDS = ("Vulkan",)        # the GPU backends the series patches
+DEVICE_EXACT_ROWS = 32               # the CPU library's default limit, for the same batches
+
+
+def device_exact_backends() -> list:
+    """The GPU backends of this process whose library carries localspec's batch-invariant row
+    limit (registered and saying BATCH_INVARIANT_SET = 1)."""
+    return [name for name in DEVICE_BACKENDS
+            if backend_features(name).get("BATCH_INVARIANT_SET") == "1"]
+
+
+def _device_function(backend: str, name: str, restype, *argtypes):
+    addr = backend_proc(backend_reg(backend), name)
+    if not addr:
+        raise LocalspecError(f"this process's {backend} library has no {name}: it is not "
+                             "localspec's patched build (rerun ./install.sh)")
+    return ctypes.CFUNCTYPE(restype, *argtypes)(addr)
+
+
+def set_device_exact_rows(n: int = DEVICE_EXACT_ROWS) -> None:
+    """Process-wide: every patched GPU backend computes batches of fewer than `n` rows (0: off)
+    as one-row batches, bit for bit (decodes read it as they record their graph, so set it
+    between decodes). Raises LocalspecError where no GPU backend is patched."""
+    found = device_exact_backends()
+    if not found:
+        raise LocalspecError("no GPU backend of this process has localspec's batch-invariant "
+                             "rows (patch 0009-vulkan-batch-invariant-rows; rerun ./install.sh)")
+    for backend in found:
+        _device_function(backend, "ggml_backend_set_exact_rows", None, ctypes.c_int)(int(n))
+
+
+def device_exact_rows() -> int:
+    """The smallest row limit among the patched GPU backends right now (0 where none is patched
+    or the limit is off): batches of fewer rows are one-row batches' rows bit for bit."""
+    limits = [int(_device_function(b, "ggml_backend_get_exact_rows", ctypes.c_int)())
+              for b in device_exact_backends()]
+    return min(limits) if limits else 0

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..policy.acceptance import TokenClasses
-from ..llama.exact_rows import exact_rows_settable
+from ..llama.exact_rows import (device_exact_backends, device_exact_rows, exact_rows_settable,
+                                set_device_exact_rows)
 from ..policy.config import K_LIMIT
 from ..catalog.models import resolve_model
 from .compat import check_pair
@@ -20,7 +21,7 @@ from .config import PROPOSERS, EngineConfig
 from ..errors import LocalspecError
 from ..files import cache_dir
 from ..llama import (Context, ContextParams, Model, ModelParams, batch_invariant_rows,
-                     enable_exact_kernels)
+                     enable_exact_kernels, gpu_backends, library_account, prefer_exact_libraries)
 from ..policy.draft_estimate import DraftPolicy
 from ..cache.prompt_cache import PromptCache, default_budget_mb
 from .learning_store import LearningStore
@@ -46,6 +47,8 @@ def build(target: Union[str, os.PathLike, Model], config: EngineConfig,
     `context` replace the ones the config would build (tests pass scripted ones). If a part
     fails, what was made or handed in is closed (a handed-in Model is not)."""
     own_model = isinstance(target, (str, os.PathLike))
+    if not own_model and config.exact and config.n_gpu_layers:
+        exact_on_device()            # a handed-in model on a GPU: its backend's switch goes on
     model = load_model(target, config.n_gpu_layers, config.exact, config.rpc) if own_model \
         else target
     ctx = context
@@ -66,7 +69,10 @@ def batches_trusted(config: EngineConfig) -> bool:
     """Whether a verify batch's rows equal one-token decodes bit for bit, so the near-tie guard
     can go: the target runs on the CPU (no GPU or RPC layers) with localspec's batch-invariant
     ggml-cpu, for batches as large as the policy may verify: under its row limit, or past it
-    where the limit moves for each wider decode (docs/exactness.md)."""
+    where the limit moves for each wider decode (docs/exactness.md); or, with --exact, on a GPU
+    backend whose patched library has its row limit on (load_model set it)."""
+    if config.n_gpu_layers and not config.rpc:
+        return config.exact and device_exact_rows() > K_LIMIT + 1
     on_cpu = config.n_gpu_layers == 0 and not config.rpc
     rows = batch_invariant_rows()
     return on_cpu and bool(rows) and (rows > K_LIMIT + 1 or exact_rows_settable())
@@ -75,23 +81,51 @@ def batches_trusted(config: EngineConfig) -> bool:
 def load_model(target: Union[str, os.PathLike], n_gpu_layers: int = 0,
                exact: bool = False, rpc: tuple = ()) -> Model:
     """Resolve a catalog name or path (pulling if needed) and load it; exact mode first makes
-    sure this process loaded the batch-invariant kernels (one error line if not). RPC
-    servers are attached before the load (process-wide), and where the layers went is said,
+    sure this process loaded the batch-invariant kernels (one error line if not): on the CPU
+    localspec's ggml-cpu, on a GPU its patched backend, whose row limit is then switched on.
+    RPC servers are attached before the load (process-wide), and where the layers went is said,
     since RPC is otherwise silent."""
-    if exact and (n_gpu_layers or rpc):
-        where = "RPC servers" if rpc else "the GPU"
+    if exact and rpc:
         raise LocalspecError(
-            f"--exact promises speculative output bit for bit plain decoding's, which only the "
-            f"batch-invariant CPU kernels keep: with layers on {where} a verify batch's rows "
-            f"differ from one-token decodes (docs/gpu.md). Drop --exact (and LOCALSPEC_EXACT), "
-            f"or keep every layer on this CPU (--gpu-layers 0{', no --rpc' if rpc else ''}).")
-    if exact:
+            "--exact promises speculative output bit for bit plain decoding's, which RPC "
+            "servers do not keep: their kernels are other builds' (docs/gpu.md). Drop --exact "
+            "(and LOCALSPEC_EXACT), or drop --rpc.")
+    if exact and n_gpu_layers:
+        exact_on_device()
+    elif exact:
         enable_exact_kernels()
     attach_rpc(rpc)
     model = Model(resolve_model(str(target)), ModelParams(n_gpu_layers=n_gpu_layers))
+    if exact and n_gpu_layers and model.n_gpu_layers <= model.n_layer and \
+            not batch_invariant_rows():
+        model.close()
+        raise LocalspecError(
+            f"--exact with part of {model.path.name} on the CPU needs localspec's batch-"
+            f"invariant CPU library too, which this process did not load ({library_account()}):"
+            f" put every layer on the GPU (--gpu-layers -1), or rerun ./install.sh without "
+            f"LOCALSPEC_EXACT_LIBS=0.")
     if rpc or n_gpu_layers:
         print(placement_line(model), file=sys.stderr)
     return model
+
+
+def exact_on_device() -> None:
+    """--exact with layers on a GPU: the GPU backend must be localspec's patched build; its row
+    limit is switched on for this process (batches of up to 31 rows then compute every row as a
+    one-row batch does), else one error line. The batch-invariant CPU library is loaded too
+    where install.sh built it, for layers left on the CPU."""
+    prefer_exact_libraries()
+    found = device_exact_backends()
+    if not found:
+        built = "/".join(gpu_backends())
+        has = f"this build's {built} library is not patched" if built else \
+            "this is a CPU build"
+        raise LocalspecError(
+            f"--exact promises speculative output bit for bit plain decoding's; on a GPU only "
+            f"localspec's patched Vulkan library keeps it (docs/gpu.md), and {has}. Drop "
+            f"--exact (and LOCALSPEC_EXACT), keep every layer on this CPU (--gpu-layers 0), or "
+            f"build for Vulkan (LOCALSPEC_BACKEND=vulkan ./install.sh).")
+    set_device_exact_rows()
 
 
 def placement_line(model: Model) -> str:

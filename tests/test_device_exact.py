@@ -1,0 +1,158 @@
+"""The device lane's exactness checks: with localspec's patched Vulkan library (patch
+0009-vulkan-batch-invariant-rows) and its row limit on, as --exact turns it on, every row of a
+verify batch is bit-identical to a one-token decode on the device, so speculative output is
+plain output token for token with no near-tie guard, greedy and seeded (docs/gpu.md,
+"Batch-invariant rows on Vulkan"). Run by `pytest -m device` (scripts/ci/device_lane.sh, on
+Mesa's lavapipe where there is no GPU).
+
+Each test switches the limit on for itself and off again (exact_device), so the other device
+tests keep measuring llama.cpp's own choices. lavapipe decodes SmolLM2 at ~2 tokens/s on two
+cores, so the weight types are checked on random-weight models of SmolLM2's widths, heads and
+vocabulary cut to two blocks (kernel_models.random_smollm(layers=2)): the same kernels, fewer
+steps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from localspec.llama.exact_rows import (device_exact_backends, device_exact_rows,
+                                        set_device_exact_rows)
+from localspec.speculative.sampling import SamplingParams
+
+from kernel_models import random_smollm
+from test_batch_invariant import VERIFY_SIZES, every_row_mismatch
+from test_device import ALL, chats, dev_smollm, dev_tiny, gpu  # noqa: F401 (fixtures)
+from test_speculative import PROMPTS, assert_greedy_lossless, engine
+
+pytestmark = pytest.mark.device
+DEVICE_TYPES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "f16", "bf16", "f32")
+
+
+@pytest.fixture
+def exact_device(gpu):
+    if not device_exact_backends():
+        pytest.fail("this build's Vulkan library is not localspec's patched one (install.sh "
+                    "applies patches/.../0009-vulkan-batch-invariant-rows.patch to Vulkan wheels)")
+    set_device_exact_rows()
+    yield
+    set_device_exact_rows(0)
+
+
+def test_the_patched_vulkan_library_says_so_and_its_limit_moves_at_run_time(gpu):
+    assert device_exact_backends() == ["Vulkan"]
+    try:
+        assert device_exact_rows() == 0           # off until set: llama.cpp's own choices
+        set_device_exact_rows(18)
+        assert device_exact_rows() == 18
+    finally:
+        set_device_exact_rows(0)
+    assert device_exact_rows() == 0
+
+
+@pytest.mark.parametrize("n_prompt", [40, 1500])
+@pytest.mark.parametrize("one_column", [False, True], ids=["chunks", "one-column"])
+def test_every_row_of_a_verify_batch_equals_one_token_decodes_on_the_device_tiny(
+        tiny_path, exact_device, n_prompt, one_column, monkeypatch):
+    """Batches of 2..17 rows; past 8 rows the weight products run as chunks of at most 8
+    columns, or (GGML_VK_EXACT_ONE_COLUMN, the path taken where a chunk would be misaligned)
+    as one-column workgroups."""
+    if one_column:
+        monkeypatch.setenv("GGML_VK_EXACT_ONE_COLUMN", "1")
+    assert every_row_mismatch(tiny_path, n_prompt, threads=2, gpu_layers=ALL) == []
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("n_prompt, sizes", [(40, VERIFY_SIZES), (1500, (2, 5, 9, 17))])
+def test_every_row_of_a_verify_batch_equals_one_token_decodes_on_the_device_smollm(
+        smollm_path, exact_device, n_prompt, sizes):
+    assert every_row_mismatch(smollm_path, n_prompt, threads=2, sizes=sizes,
+                              gpu_layers=ALL) == []
+
+
+@pytest.fixture(scope="module", params=DEVICE_TYPES)
+def random_two_block(request, smollm_path, tmp_path_factory):
+    """SmolLM2's shape cut to two blocks, every matrix in one weight type (Q4_K_M: the default
+    model's Q4_K/Q6_K mixture; Q5_K_M: Q5_K with Q6_K)."""
+    folder = tmp_path_factory.getbasetemp() / "device-kernel-models"
+    return random_smollm(str(smollm_path), folder, request.param, layers=2)
+
+
+@pytest.mark.smollm
+def test_every_row_of_a_verify_batch_equals_one_token_decodes_on_the_device_per_weight_type(
+        random_two_block, exact_device):
+    assert every_row_mismatch(random_two_block, 40, threads=2, gpu_layers=ALL) == []
+
+
+def test_greedy_speculative_equals_plain_with_exact_on_the_device_tiny(dev_tiny, exact_device,
+                                                                       device_report):
+    """No near-tie guard (tie_margin 0): with the rows exact nothing needs re-deciding."""
+    fixed = assert_greedy_lossless(dev_tiny, PROMPTS, max_tokens=32, fixed_k=4, exact=True,
+                                   tie_margin=0, gpu_layers=ALL)
+    adaptive = assert_greedy_lossless(dev_tiny, PROMPTS, max_tokens=32, fixed_k=None,
+                                      exact=True, tie_margin=0, gpu_layers=ALL)
+    device_report.append(f"tiny, --exact on device: k=4 {len(PROMPTS) - len(fixed)}/"
+                         f"{len(PROMPTS)} identical to plain, adaptive "
+                         f"{len(PROMPTS) - len(adaptive)}/{len(PROMPTS)}")
+    assert fixed == [] and adaptive == []
+
+
+@pytest.mark.smollm
+def test_greedy_speculative_equals_plain_with_exact_on_the_device_smollm(dev_smollm, exact_device,
+                                                                         device_report):
+    """Every prompt as a chat, 12 tokens each (lavapipe: ~2 tokens/s for SmolLM2)."""
+    diverged = assert_greedy_lossless(dev_smollm, chats(PROMPTS), max_tokens=12, fixed_k=4,
+                                      exact=True, tie_margin=0, gpu_layers=ALL)
+    device_report.append(f"SmolLM2, --exact on device: {len(PROMPTS) - len(diverged)}/"
+                         f"{len(PROMPTS)} identical to plain")
+    assert diverged == []
+
+
+def test_the_engine_trusts_the_device_batches_only_with_exact(dev_tiny, exact_device):
+    with engine(dev_tiny, "ngram", fixed_k=4, exact=True, gpu_layers=ALL) as spec:
+        assert spec.trusts_batches
+    set_device_exact_rows(0)
+    with engine(dev_tiny, "ngram", fixed_k=4, gpu_layers=ALL) as spec:
+        assert not spec.trusts_batches
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_seeded_sampling_gives_the_same_text_speculative_or_not_on_the_device(
+        dev_tiny, exact_device, seed):
+    sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
+    with engine(dev_tiny, "none") as plain, \
+            engine(dev_tiny, "ngram", fixed_k=4, exact=True, gpu_layers=ALL) as spec:
+        a = plain.generate(PROMPTS[seed], sp, max_tokens=48).complete_tokens()
+        gen = spec.generate(PROMPTS[seed], sp, max_tokens=48)
+        b = gen.complete_tokens()
+    assert a == b and gen.stats.drafted > 0
+
+
+def localspec_cli(*args, home):
+    env = {**os.environ, "LOCALSPEC_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "localspec", *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_exact_is_accepted_with_every_layer_on_the_device_and_gives_plain_text(
+        tiny_path, gpu, tmp_path):
+    """The CLI: --exact --gpu-layers -1 loads, says where the layers went, and writes what plain
+    decoding writes; --exact with a layer left on the CPU and no batch-invariant CPU library
+    is one error line."""
+    common = ["generate", "-m", str(tiny_path), "-n", "48", "--gpu-layers", "-1",
+              "abcabcabc abcabc and then"]
+    spec = localspec_cli(*common, "--exact", home=tmp_path)
+    plain = localspec_cli(*common, "--proposer", "none", home=tmp_path)
+    assert spec.returncode == 0, spec.stderr[-2000:]
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert spec.stdout == plain.stdout and spec.stdout.strip()
+    assert f"layers on {gpu.name}" in spec.stderr
+    partial = localspec_cli("generate", "-m", str(tiny_path), "-n", "8", "--gpu-layers", "1",
+                            "--exact", "abc", home=tmp_path)
+    if partial.returncode != 0:                # the lane installs no batch-invariant CPU copy
+        lines = [line for line in partial.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "--exact" in lines[0] and "--gpu-layers -1" in lines[0], \
+            partial.stderr
