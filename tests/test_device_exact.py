@@ -17,14 +17,19 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from localspec.llama import Context, ContextParams
+from localspec.llama.slots import SharedContext, _Work
+from localspec.speculative.parallel import Slots
 from localspec.llama.exact_rows import (device_exact_backends, device_exact_rows,
                                         set_device_exact_rows)
 from localspec.speculative.sampling import SamplingParams
 
 from kernel_models import random_smollm
 from test_batch_invariant import VERIFY_SIZES, every_row_mismatch
+from test_parallel import SLOT_CTX, config as parallel_config, run_alone, run_together
 from test_device import ALL, chats, dev_smollm, dev_tiny, gpu  # noqa: F401 (fixtures)
 from test_speculative import PROMPTS, assert_greedy_lossless, engine
 
@@ -63,6 +68,15 @@ def test_every_row_of_a_verify_batch_equals_one_token_decodes_on_the_device_tiny
     if one_column:
         monkeypatch.setenv("GGML_VK_EXACT_ONE_COLUMN", "1")
     assert every_row_mismatch(tiny_path, n_prompt, threads=2, gpu_layers=ALL) == []
+
+
+def test_verify_batches_past_31_rows_equal_one_token_decodes_with_the_limit_raised_on_the_device(
+        tiny_path, exact_device):
+    """Drafts of up to 64 tokens: a lone context raises the limit around each wider verify
+    decode (exact_for), on the device as on the CPU; every remainder mod 8 (the column chunks)."""
+    found = every_row_mismatch(tiny_path, 40, threads=2, gpu_layers=ALL,
+                               runs=[(66, [32, 33, 38, 47, 64, 65])])
+    assert found == [[]]
 
 
 @pytest.mark.smollm
@@ -156,3 +170,43 @@ def test_exact_is_accepted_with_every_layer_on_the_device_and_gives_plain_text(
         lines = [line for line in partial.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "--exact" in lines[0] and "--gpu-layers -1" in lines[0], \
             partial.stderr
+
+
+def test_every_row_of_a_batch_of_several_sequences_equals_a_lone_decode_on_the_device(
+        dev_tiny, exact_device):
+    """`--parallel` slots share a decode: one llama_decode carrying 1, 6 and 12 rows of three
+    sequences, each row against the same token decoded alone in a lone context on the device."""
+    model = dev_tiny
+    prompts = [model.tokenize(p * 6) for p in ("alpha beta gamma ", "one two three ",
+                                                 "def f(x): return x ")]
+    conts = [[(31 * i + 7 * s + 3) % model.n_vocab for i in range(n)]
+             for s, n in enumerate((1, 6, 12))]
+    shared = SharedContext(model, ContextParams(n_ctx=SLOT_CTX * 3, n_threads=2), 3, 31)
+    try:
+        for slot, prompt in zip(shared.slots, prompts):
+            slot.decode(prompt, logits="none")
+        works = [_Work(s, cont, len(prompts[s]), np.ones(len(cont), dtype=np.int8), False)
+                 for s, cont in enumerate(conts)]
+        shared._run(works)
+        assert all(w.rc == 0 for w in works)
+    finally:
+        shared.close()
+    for s, (prompt, cont) in enumerate(zip(prompts, conts)):
+        with Context(model, ContextParams(n_ctx=SLOT_CTX, n_threads=2)) as lone:
+            lone.decode(prompt, logits="none")
+            single = np.stack([lone.decode([t], logits="last")[0].copy() for t in cont])
+        differing = [i for i in range(len(cont))
+                     if not np.array_equal(works[s].rows[i], single[i])]
+        assert not differing, f"sequence {s}: rows {differing} differ from lone decodes"
+
+
+def test_two_slots_give_their_lone_texts_with_exact_on_the_device(dev_tiny, exact_device):
+    """`--parallel 2` with --exact: greedy and seeded requests, speculative, two at a time, each
+    with the text it gets alone."""
+    reqs = [{"prompt": p, "sampling": SamplingParams(temperature=0.8, seed=i) if i % 2
+             else SamplingParams(), "max_tokens": 32, "speculate": True, "delay": 0.0}
+            for i, p in enumerate(PROMPTS[:6])]
+    kw = {"exact": True, "n_gpu_layers": ALL}
+    alone = run_alone(dev_tiny, reqs, **kw)
+    with Slots(dev_tiny, parallel_config(2, **kw), 2) as slots:
+        assert run_together(slots, reqs) == alone

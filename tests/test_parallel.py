@@ -46,10 +46,11 @@ def config(n_slots: int = 1, **kw) -> EngineConfig:
                         n_threads=2, **kw)
 
 
-def run_alone(model, requests) -> list:
-    """Each request's (text, tokens) from a lone engine with a slot's context size."""
+def run_alone(model, requests, **kw) -> list:
+    """Each request's (text, tokens) from a lone engine with a slot's context size (kw: more
+    EngineConfig fields, e.g. the device lane's exact=True, n_gpu_layers=-1)."""
     out = []
-    with Engine(model, config()) as engine:
+    with Engine(model, config(**kw)) as engine:
         for r in requests:
             gen = engine.generate(r["prompt"], r["sampling"], max_tokens=r["max_tokens"],
                                   speculate=r["speculate"])

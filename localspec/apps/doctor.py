@@ -18,6 +18,7 @@ from ..llama import buildflags
 from ..llama.buildflags import cpu_flags, read_cpuinfo
 from ..catalog.models import resolve_model
 from ..speculative.compat import check_pair
+from ..llama.exact_rows import device_exact_backends
 from ..llama.libs import exact_lib_status
 from ..errors import LocalspecError
 from ..llama import (Context, ContextParams, Model, ModelParams, backend_init_failures,
@@ -53,6 +54,9 @@ def backend_lines() -> list:
     (a CPU build on a machine that has since gained a GPU says so)."""
     built = "/".join(gpu_backends()) or "CPU"
     lines = [f"backend: {built} (this build)"]
+    for name in device_exact_backends():
+        lines.append(f"  {name}: localspec's batch-invariant rows (patch 0009): off by default, "
+                     f"on with --exact and every layer on the device (docs/gpu.md)")
     for d in devices():
         memory = f", {d.free_mib} MiB free of {d.total_mib}" if d.total_mib else ""
         lines.append(f"  device {d.name}: {d.description} ({d.type}{memory})")

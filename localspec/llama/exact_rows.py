@@ -33,12 +33,19 @@ def _exact_rows_function(name: str, restype, *argtypes):
 
 
 _exact_rows_lock = threading.Lock()
-_exact_rows_state: dict = {"base": 32, "raised": []}   # set_exact_rows, live exact_rows_raised
+# set_exact_rows's CPU limit, the GPU backends' (0: off, until --exact), live exact_rows_raised
+_exact_rows_state: dict = {"base": 32, "device": 0, "raised": []}
 
 
 def _apply_exact_rows() -> None:
-    _exact_rows_function("ggml_cpu_set_exact_rows", None, ctypes.c_int)(
-        max([_exact_rows_state["base"]] + _exact_rows_state["raised"]))
+    raised = _exact_rows_state["raised"]
+    if exact_rows_settable():
+        _exact_rows_function("ggml_cpu_set_exact_rows", None, ctypes.c_int)(
+            max([_exact_rows_state["base"]] + raised))
+    if _exact_rows_state["device"]:
+        for backend in device_exact_backends():
+            _device_function(backend, "ggml_backend_set_exact_rows", None, ctypes.c_int)(
+                max([_exact_rows_state["device"]] + raised))
 
 
 def exact_rows() -> int:
@@ -58,6 +65,7 @@ def set_exact_rows(n: int) -> int:
     batches of 32 to n-1 rows (prefill's 64-row chunks, if n > 64) slower: cost to be measured
     (tools/exact_rows_cost.py). Returns the previous setting. Raises LocalspecError where
     exact_rows_settable() is False. exact_rows_raised() raises it for one block instead."""
+    _exact_rows_function("ggml_cpu_set_exact_rows", None, ctypes.c_int)   # or one error line
     with _exact_rows_lock:
         previous = _exact_rows_state["base"]
         _exact_rows_state["base"] = max(32, int(n))
@@ -70,9 +78,11 @@ def exact_rows_raised(n: int):
     """`with exact_rows_raised(66): ctx.decode(rows)`: batches of up to n-1 rows are batch-
     invariant inside the block, and the setting goes back afterwards. Nests and overlaps across
     threads: the library runs with the largest n any live block asked for (or set_exact_rows's
-    value), so one block's end never lowers another's. Raises LocalspecError where
-    exact_rows_settable() is False."""
+    value), so one block's end never lowers another's; a GPU backend's limit, where --exact
+    switched it on, moves with the CPU's. Raises LocalspecError where neither can move."""
     n = max(32, int(n))
+    if not _exact_rows_state["device"]:
+        _exact_rows_function("ggml_cpu_set_exact_rows", None, ctypes.c_int)   # or one error
     with _exact_rows_lock:
         _exact_rows_state["raised"].append(n)
         try:
@@ -90,10 +100,10 @@ def exact_rows_raised(n: int):
 
 def exact_for(n_rows: int):
     """The block in which a batch of `n_rows` rows that must equal one-token decodes runs:
-    exact_rows_raised(n_rows + 1) past the default limit where the limit moves, else nothing
-    (under 32 rows the kernels are exact already; llama.cpp's own libraries and devices other
-    than the CPU promise no exact rows, so there is nothing to raise)."""
-    if n_rows >= 32 and exact_rows_settable():
+    exact_rows_raised(n_rows + 1) past the default limit where a limit moves (the CPU's, and a
+    GPU backend's that --exact switched on), else nothing (under 32 rows the kernels are exact
+    already; llama.cpp's own libraries promise no exact rows, so there is nothing to raise)."""
+    if n_rows >= 32 and (exact_rows_settable() or _exact_rows_state["device"]):
         return exact_rows_raised(n_rows + 1)
     return contextlib.nullcontext()
 
@@ -106,7 +116,7 @@ def exact_for(n_rows: int):
 # patch simply has none.
 
 DEVICE_BACKENDS = ("Vulkan",)        # the GPU backends the series patches
-DEVICE_EXACT_ROWS = 32               # the CPU library's default limit, for the same batches
+DEVICE_EXACT_ROWS = 32               # as the CPU library's default; exact_for raises it past
 
 
 def device_exact_backends() -> list:
@@ -126,14 +136,18 @@ def _device_function(backend: str, name: str, restype, *argtypes):
 
 def set_device_exact_rows(n: int = DEVICE_EXACT_ROWS) -> None:
     """Process-wide: every patched GPU backend computes batches of fewer than `n` rows (0: off)
-    as one-row batches, bit for bit (decodes read it as they record their graph, so set it
-    between decodes). Raises LocalspecError where no GPU backend is patched."""
-    found = device_exact_backends()
-    if not found:
+    as one-row batches, bit for bit; exact_for raises it around wider verify decodes, as on the
+    CPU. Decodes read it as they record their graph, so set it between decodes. Raises
+    LocalspecError where no GPU backend is patched."""
+    if not device_exact_backends():
         raise LocalspecError("no GPU backend of this process has localspec's batch-invariant "
                              "rows (patch 0009-vulkan-batch-invariant-rows; rerun ./install.sh)")
-    for backend in found:
-        _device_function(backend, "ggml_backend_set_exact_rows", None, ctypes.c_int)(int(n))
+    with _exact_rows_lock:
+        _exact_rows_state["device"] = max(0, int(n))
+        if not _exact_rows_state["device"]:
+            for backend in device_exact_backends():
+                _device_function(backend, "ggml_backend_set_exact_rows", None, ctypes.c_int)(0)
+        _apply_exact_rows()
 
 
 def device_exact_rows() -> int:

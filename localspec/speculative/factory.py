@@ -72,7 +72,7 @@ def batches_trusted(config: EngineConfig) -> bool:
     where the limit moves for each wider decode (docs/exactness.md); or, with --exact, on a GPU
     backend whose patched library has its row limit on (load_model set it)."""
     if config.n_gpu_layers and not config.rpc:
-        return config.exact and device_exact_rows() > K_LIMIT + 1
+        return config.exact and device_exact_rows() > 0      # exact_for raises it past 31
     on_cpu = config.n_gpu_layers == 0 and not config.rpc
     rows = batch_invariant_rows()
     return on_cpu and bool(rows) and (rows > K_LIMIT + 1 or exact_rows_settable())
