@@ -135,6 +135,32 @@ def test_summarize_geomean_worst_case_and_identity():
     assert "| chat" in table and "1/2" in table and "0.50 (b)" in table
 
 
+def test_the_summary_says_why_each_mode_ran_at_its_speed():
+    """Per kind and mode: the mean draft of the steps that drafted, the share accepted and the
+    tokens a step, over all its rows' counts; per mode, what chose its drafts and the curve it
+    started from and learned (issue 63: a poisoned curve must show beside the speed)."""
+    def row(case, mode, drafted, spec, accepted, steps, tokens):
+        r = _row(case, "code-edit", mode, 2.0)
+        r.stats = {"drafted": drafted, "spec_steps": spec, "accepted": accepted, "steps": steps,
+                   "step_tokens": tokens}
+        r.settings = "ngram, adaptive" if mode == "ngram" else "llama.cpp ngram-simple"
+        return r
+    rows = [row("a", "ngram", 30, 10, 27, 12, 41), row("b", "ngram", 10, 10, 5, 20, 25),
+            row("a", "llamacpp-simple", 96, 2, 96, 3, 99)]
+    rows[1].cost_curve = {"source": "sliced, unfinished", "calibrated": [1.0, 1.06, 2.59, 6.26],
+                          "learned": [1.0, 1.23, 1.36, 1.49], "probes": 1}
+    by = {(s["kind"], s["mode"]): s for s in summarize(rows)}
+    ours = by[("all", "ngram")]
+    assert (ours["mean_draft"], ours["acceptance"], ours["tokens_per_step"]) == \
+        (2.0, 0.8, round(66 / 32, 3))
+    assert by[("all", "llamacpp-simple")]["mean_draft"] == 48.0
+    table = format_summary(summarize(rows))
+    assert "| mean draft | accepted | tokens/step |" in table
+    assert "| ngram           | ngram, adaptive        | sliced, unfinished r(1,3) 1.06 6.26 " \
+        "-> learned 1.23 1.49 (1 probe) |" in table
+    assert "llama.cpp ngram-simple" in table and "| 48.0 " in table
+
+
 # -- real runs on the tiny model -------------------------------------------------------------------
 def test_bench_on_tiny_model_ngram_modes_match_plain(tiny_path, small_workloads):
     cases = load_workloads(small_workloads)
@@ -160,6 +186,10 @@ def test_bench_on_tiny_model_ngram_modes_match_plain(tiny_path, small_workloads)
     # the peer's text on a random byte model is not valid UTF-8, so no identity claim here
     assert any("[3/3] chat-hi" in s for s in lines) and any("warm-up: peer" in s for s in lines)
     assert "| edit-indent | code-edit | ngram-k3" in format_rows(rows)
+    adaptive = [r for r in rows if r.mode == "ngram"]
+    assert all(r.settings.startswith("ngram, adaptive k <= 64") and r.cost_curve for r in adaptive)
+    assert adaptive[-1].cost_curve["calibrated"][0] == 1.0
+    assert [r.settings for r in rows if r.mode == "ngram-k3"][0] == "ngram, k = 3 every step"
 
 
 def test_rounds_give_medians_of_side_by_side_ratios(tiny_path, small_workloads):
@@ -343,6 +373,9 @@ def test_cli_tables_on_stdout_progress_on_stderr(tiny_path, small_workloads, tmp
     assert all(r["identical"] for r in data["rows"] if r["mode"] == "ngram")
     assert data["meta"]["sampling"]["temperature"] == 0.0
     assert data["meta"]["threads"] >= 1 and data["summary"]
+    assert data["meta"]["verify_cost"]["ngram"]["learned"][0] == 1.0
+    assert data["meta"]["verify_cost_curve"] == data["meta"]["verify_cost"]["ngram"]["calibrated"]
+    assert "| mode  | drafts chosen by" in result.stdout
 
 
 def test_cli_sampled_run_is_seeded_equal(tiny_path, small_workloads):

@@ -43,6 +43,11 @@ MODES = {
                                          "--spec-ngram-simple-size-m", "48")),
 }
 PLAIN = "llamacpp-plain"
+SETTINGS = {   # MODES in words, for the bench's tables
+    "llamacpp-plain": "llama.cpp: never drafts (ngram-simple, 1024-token key)",
+    "llamacpp-mod": "llama.cpp ngram-mod: 24-token match, drafts of 48-64 or none",
+    "llamacpp-simple": "llama.cpp ngram-simple: 12-token key, drafts of 12-48 or none",
+}
 STEP_END = "accepted "            # LOG_DBG("accepted %d/%d draft tokens, ...") after each step
 
 

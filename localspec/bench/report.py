@@ -38,6 +38,8 @@ class Row:
     text: str = ""
     stats: dict = field(default_factory=dict)
     session: Optional[str] = None     # the workload session the case belongs to
+    settings: str = ""                # what chose the drafts: the policy or the tool's settings
+    cost_curve: Optional[dict] = None  # an adaptive mode's verify cost after the case (curve())
 
 
 def group_of(row: Row) -> str:
@@ -150,8 +152,50 @@ def summarize(rows: Sequence[Row]) -> list:
                 "identical": sum(bool(r.identical) for r in checked) if checked else None,
                 "compared": len(checked),
                 "decode_tps": round(geomean(r.decode_tps for r in sel) or 0.0, 2),
+                **mechanism(sel),
             })
     return out
+
+
+def mechanism(rows: Sequence[Row]) -> dict:
+    """Why a mode ran at its speed, over its rows: the mean draft of the steps that drafted,
+    the share of drafted tokens accepted, tokens per step, the settings that chose the drafts
+    and (adaptive modes) the cost curve the last row ended with."""
+    total = {key: sum(r.stats.get(key, 0) for r in rows)
+             for key in ("drafted", "spec_steps", "accepted", "steps", "step_tokens")}
+    settings = next((r.settings for r in rows if r.settings), "")
+    curve = next((r.cost_curve for r in reversed(rows) if r.cost_curve), None)
+    return {"mean_draft": round(total["drafted"] / total["spec_steps"], 2)
+            if total["spec_steps"] else None,
+            "acceptance": round(total["accepted"] / total["drafted"], 4)
+            if total["drafted"] else None,
+            "tokens_per_step": round(total["step_tokens"] / total["steps"], 3)
+            if total["steps"] else None,
+            "settings": settings, "cost_curve": curve}
+
+
+SHOWN_K = (1, 3, 7, 15, 31, 63)   # the sizes a table shows of a cost curve
+
+
+def curve_text(curve: Optional[dict]) -> str:
+    """A cost curve record in a few words: where it came from, r at SHOWN_K as calibrated, and
+    as learned by the end if it moved (the probes that found it out).
+
+    >>> curve_text({"source": "first slice", "calibrated": [1.0, 1.06, 2.59, 6.26],
+    ...             "learned": [1.0, 1.23, 1.36, 1.49], "probes": 2})
+    'first slice r(1,3) 1.06 6.26 -> learned 1.23 1.49 (2 probes)'
+    """
+    if not curve:
+        return "-"
+    cal, learned = curve.get("calibrated") or [], curve.get("learned") or []
+    ks = [k for k in SHOWN_K if k < len(cal)]
+    text = f"{curve.get('source', '')} r({','.join(map(str, ks))}) " + \
+        " ".join(f"{cal[k]:.2f}" for k in ks)
+    if learned and any(abs(learned[k] / cal[k] - 1) > 0.02 for k in ks if k < len(learned)):
+        text += " -> learned " + " ".join(f"{learned[k]:.2f}" for k in ks if k < len(learned))
+    if curve.get("probes"):
+        text += f" ({curve['probes']} probe{'s' * (curve['probes'] != 1)})"
+    return text.strip()
 
 
 
@@ -218,12 +262,13 @@ def format_rows(rows) -> str:
     """Per case and mode, as a Markdown table."""
     ranged = any(r.ratio_range for r in rows)
     header = ["case", "kind", "mode", "prompt", "gen", "TTFT ms", "tok/s", "x plain",
-              *(["rounds' range"] if ranged else []), "x peer", "acc len", "acc rate",
-              "identical"]
+              *(["rounds' range"] if ranged else []), "x peer", "mean draft", "acc len",
+              "acc rate", "identical"]
     body = [[r.case, r.kind, r.mode, str(r.prompt_tokens), str(r.generated_tokens),
              f"{r.ttft_ms:.0f}", f"{r.decode_tps:.2f}", _fmt(r.ratio),
              *([_range(r.ratio_range)] if ranged else []), _fmt(r.vs_peer),
-             _fmt(r.mean_accepted_len), _fmt(r.acceptance_rate, ".0%"), _identity(r)]
+             _fmt(mechanism([r])["mean_draft"], ".1f"), _fmt(r.mean_accepted_len),
+             _fmt(r.acceptance_rate, ".0%"), _identity(r)]
             for r in rows]
     return _table(header, body)
 
@@ -233,16 +278,25 @@ def _range(pair) -> str:
 
 
 def format_summary(summary) -> str:
-    """Per kind and mode: geometric means, worst case, identity count, as a Markdown table."""
+    """Per kind and mode: geometric means, worst case, identity count, and why (the mean draft,
+    acceptance, tokens a step), as a Markdown table; then, per mode, what chose its drafts."""
     header = ["kind", "mode", "cases", "tok/s (geomean)", "x plain (geomean)", "worst x plain",
-              "x peer (geomean)", "identical to plain"]
+              "x peer (geomean)", "identical to plain", "mean draft", "accepted",
+              "tokens/step"]
     body = []
     for s in summary:
         worst = "-" if s["worst_ratio"] is None else f"{s['worst_ratio']:.2f} ({s['worst_case']})"
         ident = "-" if s["identical"] is None else f"{s['identical']}/{s['compared']}"
         body.append([s["kind"], s["mode"], str(s["cases"]), f"{s['decode_tps']:.2f}",
-                     _fmt(s["geomean_ratio"]), worst, _fmt(s["geomean_vs_peer"]), ident])
-    return _table(header, body)
+                     _fmt(s["geomean_ratio"]), worst, _fmt(s["geomean_vs_peer"]), ident,
+                     _fmt(s.get("mean_draft"), ".1f"), _fmt(s.get("acceptance"), ".0%"),
+                     _fmt(s.get("tokens_per_step"))])
+    modes = {s["mode"]: s for s in summary if s["kind"] == "all"}
+    how = [[m, s.get("settings") or "-", curve_text(s.get("cost_curve"))]
+           for m, s in modes.items() if s.get("settings") or s.get("cost_curve")]
+    table = _table(header, body)
+    return table + ("\n\n" + _table(["mode", "drafts chosen by", "verify cost curve"], how)
+                    if how else "")
 
 
 def format_versus(versus) -> str:

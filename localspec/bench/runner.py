@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .. import __version__
-from ..policy.calibrate import load_or_measure
 from ..speculative.config import EngineConfig
 from ..speculative.engine import Engine
 from ..errors import LocalspecError
@@ -30,6 +29,7 @@ from .peer import PEER_K, Peer
 from .report import (Row, first_difference, make_row, merge_rounds, summarize,
                      versus_llamacpp)
 from .timing import Outcome
+from .why import curve_record, mode_settings
 from .workloads import Case
 
 WARMUP_PROMPT = "Write one sentence about the sea."
@@ -280,6 +280,7 @@ class Bench:
                     merge_rounds(row, mode, seen, peer_name,
                                  mode.reference if mode.reference in outs else "plain")
                 row.load_avg = load
+                row.settings, row.cost_curve = self.settings_of(mode), self.curve_of(mode)
                 if row.identical is False and greedy and "plain" in self.engines and \
                         not mode.is_llamacpp:
                     # where it parted from plain, in the first round where it did
@@ -328,13 +329,22 @@ class Bench:
         same = {None: "", True: " identical"}.get(r.identical, f" DIFFERS{where}")
         return f"{r.mode} {r.ratio:.2f}x{same}"
 
+    def settings_of(self, mode: Mode) -> str:
+        """What chose a mode's drafts, in a few words (why.py)."""
+        return mode_settings(mode, self.engines.get(mode.name))
+
+    def curve_of(self, mode: Mode) -> Optional[dict]:
+        """An adaptive mode's verify cost curve record (why.py), None where it has none."""
+        return curve_record(self.engines.get(mode.name))
+
     def cost_curve(self) -> Optional[list]:
-        """The verify cost curve r(k) the n-gram engines used (cached on disk), for the record."""
+        """The verify cost curve r(k) the n-gram engines started from (their calibration), for
+        the record; None before any engine measured it. (Not load_or_measure: for a curve
+        still in slices it would time a whole calibration in the middle of the bench.)"""
         for m in self.modes:
-            if m.proposer != "none" and not m.external:
-                e = self.engines[m.name]
-                return list(load_or_measure(e.ctx, self.settings.engine.n_gpu_layers,
-                                            e.config.policy.k_max).ratios)
+            curve = self.curve_of(m) if not m.external else None
+            if curve is not None:
+                return curve["calibrated"]
         return None
 
     def close(self) -> None:
@@ -384,4 +394,6 @@ def setup_record(b: Bench, settings: BenchSettings, started) -> dict:
         "n_ctx": settings.engine.n_ctx, "n_gpu_layers": settings.engine.n_gpu_layers,
         "rounds": settings.rounds, "lockstep": settings.lockstep,
         "verify_cost_curve": curve,
+        "verify_cost": {name: c for name, c in ((m.name, b.curve_of(m)) for m in b.modes)
+                        if c is not None},
     }

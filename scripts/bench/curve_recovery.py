@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("recordings", nargs="+")
     ap.add_argument("--prior", required=True, help="what the policy believes: 1,r(1),...")
-    ap.add_argument("--truth", required=True, help="what steps cost: 1,r(1),...")
+    ap.add_argument("--truth", required=True, help="what steps cost: 1,r(1),... or a curve of "
+                    f"tools/llamacpp_replay.py ({', '.join(lr.CURVES)}; localspec's kernels)")
     ap.add_argument("--kinds", help="only these kinds (comma-separated)")
     ap.add_argument("--settings", default="", help="policy settings for both (policy_replay's "
                     "--variant keys, e.g. probe_share=0)")
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-case", action="store_true")
     a = ap.parse_args(argv)
     prior = first_slice([float(x) for x in a.prior.split(",")])
-    truth = rp.extend_curve([float(x) for x in a.truth.split(",")], 64)
+    truth = lr.CURVES[a.truth][0] if a.truth in lr.CURVES else \
+        rp.extend_curve([float(x) for x in a.truth.split(",")], 64)
     settings = {}
     if a.settings:
         from policy_replay import parse_variants
