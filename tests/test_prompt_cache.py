@@ -545,3 +545,51 @@ def test_two_processes_share_a_folder_without_corrupting_entries(tiny_path, tmp_
     assert files and not list(tmp_path.glob("*/.*.tmp"))
     for f in files:
         read_file(f, None)                                       # checksum holds
+
+
+def test_two_processes_on_one_folder_never_remove_each_others_entries(tiny_model, tmp_path):
+    """Two servers on one home read the same document (soak finding 3): an entry's file is
+    named by its tokens, so both write the same file. When one moves on to a newer state of
+    the document it removes only a file it wrote itself that nobody has rewritten since; before
+    the fix A's newer state unlinked the file B had written last, and B's entry was gone from
+    disk. A file it wrote alone still goes when its newer state replaces it."""
+    d = doc(tiny_model, "shared")
+    a, b = PromptCache(64, disk_dir=tmp_path), PromptCache(64, disk_dir=tmp_path)
+    with Context(tiny_model, PARAMS) as ctx:
+        def read(cache, question):
+            ctx.clear()
+            ctx.decode(d + text_tokens(tiny_model, question), logits="none")
+            assert cache.store(ctx)
+            return cache.entries()[-1].path
+        first = read(a, "first?")
+        assert read(b, "first?") == first                  # the same tokens, the same file
+        second = read(a, "second?")                        # A moves on ...
+        assert first.exists() and second.exists()          # ... B's file stays
+        assert read(b, "third?") != first and not first.exists()   # B moves on: its own goes
+        read(a, "fourth?")
+        assert not second.exists()                         # A wrote it alone: replaced
+        assert len(list(tmp_path.glob("*/*" + SUFFIX))) == 2
+
+
+def test_states_of_contexts_with_other_slot_counts_are_kept_apart(tiny_model, tmp_path, capsys):
+    """llama.cpp refuses a state saved with another count of KV buffers ("n_stream mismatch"):
+    `serve --parallel 2` and `--parallel 4` on one home shared a key, and each refused the
+    other's states, a line on stderr and a miss every time (the soak's --shared-home). Their
+    keys now differ; slots of one count still share."""
+    from localspec.llama.slots import SharedContext
+    d = doc(tiny_model, "slots", n_lines=6)
+    two = SharedContext(tiny_model, ContextParams(n_ctx=2 * 512, n_threads=1), 2, 31)
+    four = SharedContext(tiny_model, ContextParams(n_ctx=4 * 512, n_threads=1), 4, 31)
+    try:
+        writer, reader = PromptCache(64, disk_dir=tmp_path), PromptCache(64, disk_dir=tmp_path)
+        two.slots[1].sync(d, grid=64)
+        assert writer.store(two.slots[1])
+        assert reader.prepare(four.slots[2], d + [5], 64).reused == 0
+        assert "could not restore" not in capsys.readouterr().err
+        assert reader.prepare(two.slots[0], d + [5], 64).source == "disk"
+        with Context(tiny_model, PARAMS) as lone:
+            keys = {context_key(c) for c in (lone, two.slots[0], four.slots[0], four.slots[3])}
+            assert len(keys) == 3
+    finally:
+        two.close()
+        four.close()

@@ -28,6 +28,7 @@ class DiskFolder:
         self.root, self.budget = Path(root), int(budget)
         self._index: dict = {}                 # path -> ((size, mtime_ns), Entry)
         self._warned: set = set()              # paths already reported as unusable
+        self._written: dict = {}               # path -> (inode, mtime_ns) of this process's write
 
     def lock(self):
         """The lock writers hold while they rename into the folder or trim it."""
@@ -45,6 +46,8 @@ class DiskFolder:
             with self.lock():
                 write_file(folder / name, entry.key, entry.tokens, entry.data, model_name,
                            clean=entry.clean)
+                st = (folder / name).stat()
+                self._written[folder / name] = (st.st_ino, st.st_mtime_ns)
                 self._trim()
         except OSError as e:
             print(f"localspec: prompt cache: could not write to {folder} ({e}); "
@@ -81,6 +84,22 @@ class DiskFolder:
                 continue
             found.append(known[1])
         return found
+
+    def remove_own(self, path: Path) -> None:
+        """Remove the file of an entry a newer state replaced, if this process wrote it and
+        nobody has rewritten it since: a file is named by its tokens, so another process that
+        read the same document wrote the same name, and it is that one's entry as well."""
+        written = self._written.pop(path, None)
+        if written is None:
+            return
+        try:
+            with self.lock():
+                st = path.stat()
+                if (st.st_ino, st.st_mtime_ns) == written:
+                    path.unlink()
+        except OSError:               # gone already (evicted), or the folder is unusable
+            pass
+        self.forget(path)
 
     def forget(self, path: Path) -> None:
         """Another process removed `path`: drop what is known of it."""

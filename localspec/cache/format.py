@@ -77,12 +77,17 @@ def context_key(ctx: Context) -> str:
     """32 hex digits naming what a state of `ctx` can be loaded into: the model's identity and
     every setting that changes KV bytes or layout (KV type, flash attention's V layout, the
     kernels that computed it, GPU offload, llama.cpp's build and state format, this file
-    format). Not n_ctx: a state fits any context with enough cells, which restore checks."""
+    format, and the KV buffers of a `--parallel N` context: llama.cpp refuses a state saved
+    with another count, "n_stream mismatch"). Not n_ctx: a state fits any context with enough
+    cells, which restore checks."""
     model: Model = ctx.model
     parts = {"model": model_identity(model.path), "kv": "f16", "flash_attn": ctx.params.flash_attn,
              "repacked": model.repacked, "tiled_mm_off": tiled_matmul_off(),
              "gpu_layers": model.n_gpu_layers, "llama": backend_version(), "build": system_info(),
              "format": FORMAT_VERSION}
+    streams = getattr(ctx, "n_stream", 1)        # slots.SeqContext; a lone context's key stays
+    if streams != 1:
+        parts["streams"] = streams
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 

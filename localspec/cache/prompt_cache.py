@@ -103,6 +103,8 @@ class PromptCache:
     reuses this many more prompt tokens than the live KV already holds.
     One entry per document: a new state replaces an older one that it holds all but at most a
     quarter of (see _covers); the live state is saved before a prompt would drop more of it.
+    The older one's file goes too when this process wrote it and no other has rewritten it
+    (DiskFolder.remove_own); else the disk budget's LRU trims it.
     """
 
     def __init__(self, budget_mb: float, disk_dir: Optional[Path] = None, disk_mb: float = 2048,
@@ -172,8 +174,8 @@ class PromptCache:
                     if e.key == key and self._covers(common_prefix(e.tokens, toks), len(e.tokens))]:
             old = self._entries[eid]                  # superseded: same document, older
             self._drop(eid)
-            if old.path is not None:
-                old.path.unlink(missing_ok=True)
+            if old.path is not None:                  # (another process's file stays)
+                self.disk.remove_own(old.path)
         entry = Entry(key, toks, None, None, size, clean)
         self._admit(entry)
         entry.data = ctx.save_state(np.empty(size, dtype=np.uint8))

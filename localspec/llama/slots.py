@@ -300,7 +300,7 @@ class SeqContext(Context):
         self._ctx, self._mem = shared._ctx, shared._mem
         self._phases: dict = {}
         self.n_ctx, self.n_batch = shared.n_ctx_seq, shared.n_batch
-        self.n_threads = shared.n_threads
+        self.n_threads, self.n_stream = shared.n_threads, shared.n_seq   # a KV buffer per slot
         self.tokens: list = []
         self._clean = (0, 0)
         self._prompt = False             # the decode in progress is a prompt chunk

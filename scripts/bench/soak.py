@@ -61,7 +61,8 @@ sys.path.insert(0, str(ROOT))
 clock = time.monotonic
 HUGE = 10 ** 6
 STDERR_BAD = re.compile(r"Traceback|Exception in|^ERROR|internal error|ignoring .*moved it|"
-                        r"rejected|Segmentation|Aborted|failed to decode|inconsistent sequence",
+                        r"rejected|Segmentation|Aborted|failed to decode|inconsistent sequence|"
+                        r"prompt cache: could not",
                         re.I)
 
 
@@ -849,9 +850,8 @@ def run(a) -> dict:
     work = Path(tempfile.mkdtemp(prefix="localspec-soak-"))
     (work / "home").mkdir()
     home = fresh_home(work / "home")
-    # Each server its own home unless --shared-home: two servers sharing a prompt-cache folder
-    # delete each other's entries when they supersede them (the same tokens, the same file
-    # name), so the HTTP server's document could be gone after its restart for that reason.
+    # Each server its own home unless --shared-home (one home for both: their prompt caches
+    # then share a folder; docs/soak.md, finding 3).
     stdio_home = home
     if not a.shared_home:
         (work / "stdio-home").mkdir()
