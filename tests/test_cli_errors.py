@@ -149,6 +149,18 @@ def test_a_stdout_that_cannot_be_written_is_named_as_stdout(tiny_path, home):
     assert "LOCALSPEC_HOME" not in line and "Exception ignored" not in r.stderr.decode()
 
 
+def test_a_chat_whose_stdout_cannot_be_written_names_stdout(tiny_path, home):
+    """Issue 65: `chat > /dev/full` blamed the cache folder too (its replies did not go through
+    write_out); the first failed write ends the chat with the one line."""
+    environ = {**os.environ, "LOCALSPEC_HOME": str(home)}
+    with open("/dev/full", "wb") as full:
+        r = subprocess.run([sys.executable, "-m", "localspec", "chat", "-m", str(tiny_path),
+                            "-n", "4", "--threads", "1"], input=b"hi\nmore\n", stdout=full,
+                           stderr=subprocess.PIPE, env=environ, timeout=180)
+    line = one_error(r, "could not write the output (stdout)", "No space left on device")
+    assert "LOCALSPEC_HOME" not in line and "Exception ignored" not in r.stderr.decode()
+
+
 def test_models_verify_unknown_and_not_downloaded(home):
     one_error(cli("models", "verify", "no-such-model", home=home), "unknown model")
     one_error(cli("models", "verify", "smollm2-135m", home=home), "not downloaded")

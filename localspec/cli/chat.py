@@ -12,9 +12,27 @@ from ..cache.prompt_cache import check_session_name
 from ..errors import LocalspecError
 from ..text import check_utf8, decode_utf8
 from .options import (COMMAND, build_sampling, learn_option, model_options, open_engine,
-                      sampling_options, stdin)
+                      sampling_options, stdin, write_out)
 
 MAX_TOKENS = 512     # a chat reply may run longer than a one-shot generate's 256
+
+
+class _StdoutFailed(Exception):
+    """write_out's error, carried past the loop's handling of a reply's own errors."""
+
+
+class _Stdout:
+    """The loop's stdout, written through write_out: a write the system refuses (`> /dev/full`)
+    ends the chat with one line that names stdout, instead of blaming LOCALSPEC_HOME."""
+
+    def write(self, text: str) -> None:
+        try:
+            write_out(text)
+        except LocalspecError as e:
+            raise _StdoutFailed(e) from None
+
+    def flush(self) -> None:
+        """write_out flushed already."""
 
 
 def _terminal_reader(prompt: str) -> Callable[[], Optional[str]]:
@@ -119,11 +137,13 @@ def chat(system, show_stats, save_as, resume, **kw):
                        f"tokens, proposer {kw['proposer']}. /help for commands, Ctrl-D to quit.",
                        err=True)
         read = _terminal_reader("> ") if interactive else _pipe_reader()
-        loop = ChatLoop(session, read, sys.stdout, sys.stderr, interactive=interactive,
+        loop = ChatLoop(session, read, _Stdout(), sys.stderr, interactive=interactive,
                         show_stats=show_stats)
         loop.save_as = save_as
         try:
             loop.run()
+        except _StdoutFailed as e:
+            raise e.args[0] from None
         finally:
             if loop.save_as:
                 session.save(loop.save_as)
