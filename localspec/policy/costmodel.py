@@ -97,8 +97,8 @@ class CostModel:
     def disagreement(self) -> float:
         """How far the timings say the cached curve is off: |log(timed r(k) / cached r(k))|,
         its median over the timed k > 0 weighted by their timings (0 before a refit and
-        before SUSPECT_TIMINGS timings; one size timed once through a stall decides nothing). A curve the steps confirm is not
-        worth probing (explore.py)."""
+        before SUSPECT_TIMINGS timings; one size timed once through a stall decides nothing).
+        A curve the steps confirm is not worth probing (explore.py)."""
         self._refresh()
         return self._disagree
 
@@ -234,7 +234,7 @@ def _weighted_median(values, weights) -> float:
     return float(values[order][np.searchsorted(cum, cum[-1] / 2)])
 
 
-SUSPECT_TIMINGS = 8.0   # verify batches timed before disagreement() is more than noise
+SUSPECT_TIMINGS = 16.0  # verify batches timed before disagreement() is more than noise
 
 
 # -- calibration stability -------------------------------------------------------------------

@@ -181,7 +181,8 @@ def judge(new: dict) -> tuple:
     for k2, m2 in medians.items():
         for k1, m1 in medians.items():
             if k1 < k2 and m2 * (1.0 + FALL) < m1:
-                return {}, f"r({k2}) {m2:.1f} under r({k1}) {m1:.1f}: the cost fell as the batch grew"
+                return {}, (f"r({k2}) {m2:.1f} under r({k1}) {m1:.1f}: the cost fell as the "
+                            "batch grew")
     if n and 3 * bad >= n:
         k, r = worst
         return {}, (f"{bad} of {n} batches implausible, e.g. {k + 1} rows at {r:.1f} one-token "

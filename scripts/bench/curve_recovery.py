@@ -12,9 +12,9 @@ points it had). Per kind: the geometric mean of each policy's speedup over plain
 and the recovery: the steps after which the cost model's r(k) stays within 20% of the truth at
 k = 1, 3, 7 and 15, and the probes it spent (explore.py). By default each case starts from the
 prior (a fresh engine each time: the hardest case); --session runs one engine through every
-case in order, its cost model and probe budget carried on, as a user's requests share them. The prior
-is weighed as the engine weighs a first slice, rough (CostConfig.noisy_prior_weight), unless
---trusted (as a finished calibration: prior_weight).
+case in order, its cost model and probe budget carried on, as a user's requests share them.
+The prior is weighed as the engine weighs a first slice, rough (CostConfig.noisy_prior_weight),
+unless --trusted (as a finished calibration: prior_weight).
 """
 
 from __future__ import annotations
