@@ -16,7 +16,7 @@ from localspec.policy import adaptive
 from localspec.errors import LocalspecError
 from localspec.policy import calibrate
 from localspec.policy import costmodel
-from localspec.policy import slices
+from localspec.policy import explore, slices
 from localspec.policy.acceptance import (AcceptanceModel, DraftFeatures, RequestState,
                                          expected_tokens)
 from localspec.policy.adaptive import AdaptivePolicy, RegretGuard
@@ -36,7 +36,7 @@ GUESS = DraftFeatures(list(range(200, 216)), "history", 1, n_occ=9,
 
 
 def test_docstring_examples():
-    for mod in (acceptance, adaptive, costmodel, calibrate, slices):
+    for mod in (acceptance, adaptive, costmodel, calibrate, slices, explore):
         assert doctest.testmod(mod).failed == 0
 
 

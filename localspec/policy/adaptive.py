@@ -117,7 +117,8 @@ class AdaptivePolicy:
                  draft: Optional[DraftPolicy] = None, explore: Optional[Exploration] = None):
         self.cost = cost
         self.config = config
-        # probes of longer drafts, on a budget the engine's requests share (like the cost model)
+        # probes of other draft lengths, on a budget the engine's requests share (like the cost
+        # model): what the cost curve overstates is found out (explore.py)
         self.explore = explore if explore is not None else \
             Exploration(config.probe_share, config.probe_timed)
         # A draft model's proposals have none of the n-gram features: they keep the scalar
@@ -190,7 +191,7 @@ class AdaptivePolicy:
         k, gain = best_draft(self.acceptance.probs(base), r) if depth else (0, 0.0)
         if gain <= self.config.min_gain:
             k, gain = 0, 0.0
-        n = min(len(f.tokens), self.config.k_max, len(r) - 1)   # now and then a longer probe
+        n = min(len(f.tokens), self.config.k_max, len(r) - 1)   # now and then a probe
         return self.explore.widen(k, gain, n, self.state.streak, self.cost), gain
 
     def _evidence(self, f: DraftFeatures) -> int:

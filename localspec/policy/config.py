@@ -56,10 +56,11 @@ class PolicyConfig:
                                       # context at least this often before counts them as a
                                       # run of right guesses the request has shown (the loss
                                       # budget); 0: only the request's own runs count
-    probe_share: float = 0.02         # decode time probes may lose at most: now and then a
-                                      # draft of 2k + 1 where k was chosen, on text being copied,
-    probe_timed: float = 0.5          # at a size with fewer recent timings than this, so a curve
-                                      # that overstates long batches is found out (explore.py)
+    probe_share: float = 0.02         # decode time probes may lose at most: once the steps
+                                      # disagree with the cost curve, on text being copied, now
+    probe_timed: float = 0.5          # and then a draft of 1, 3, 7, ..., 63 (the nearest to the
+                                      # chosen k with fewer recent timings than this), so a curve
+                                      # that overstates some batches is found out (explore.py)
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     # a draft model's proposals

@@ -30,8 +30,9 @@ from .costmodel import CostModel
 
 CREDIT_START = 2.0   # plain steps of credit a new engine starts with: a first probe or two
 CREDIT_MAX = 16.0    # credit kept at most: a long quiet stretch does not buy a burst
-SUSPECT = math.log(1.1)   # probes only once some timed size is 10% off the cached curve:
-                     # a curve the steps confirm where they are is trusted where they are not
+SUSPECT = math.log(1.1)   # probes only once the timings are 10% off the cached curve
+                     # (CostModel.disagreement): a curve the steps confirm where they are is
+                     # trusted where they are not
 LADDER = (1, 3, 7, 15, 31, 63)   # the sizes probed (slices.FIRST_KS: what a first slice times)
 MIN_STREAK = 8       # right guesses in a row before any probe: a chat's one-token echoes
                      # (the policy stays off there) are not a copy
@@ -52,7 +53,7 @@ class Exploration:
     >>> ex = Exploration(share=0.02)
     >>> ex.widen(1, 1.88, offered=7, streak=40, cost=cm)      # nothing timed yet: trusted
     1
-    >>> for _ in range(8):
+    >>> for _ in range(24):
     ...     cm.observe(0, 60.0); cm.observe(1, 1.23 * 60.0)   # r(1) is 1.23, not 1.06
     >>> ex.widen(1, 1.88, offered=7, streak=40, cost=cm)      # k = 1 chosen; probe 3
     3

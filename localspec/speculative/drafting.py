@@ -30,7 +30,7 @@ class Drafting:
     def __init__(self, config: EngineConfig, progress: Optional[Callable[[str], None]] = None):
         self.config, self._progress = config, progress
         self.cost: Optional[CostModel] = None   # learns this machine across requests
-        self.explore: Optional[Exploration] = None   # its probes of longer drafts
+        self.explore: Optional[Exploration] = None   # its probes of other draft lengths
         self.curve = None                       # the calibration it started from (bench record)
         self._draft_cost = 0.0
         self._measuring = threading.Lock()      # slots sharing this object measure once
