@@ -541,6 +541,18 @@ def test_a_slice_that_cannot_be_true_is_thrown_away_with_one_line(tmp_path, monk
     assert "threw away" not in capsys.readouterr().err
 
 
+def test_a_timer_bound_slice_is_never_thrown_away(tmp_path, monkeypatch, capsys):
+    """Under a millisecond a step is timer jitter, not load (a tiny test model): the same
+    stalled 2-row batches drop nothing but what no batch can cost, and no line is printed."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    stalls = {(2, i): 2.4 / 1.23 for i in range(3)}
+    ctx = device(tmp_path, monkeypatch, ISSUE_XEON, one=0.0002, stalls=stalls)
+    curve = calibrate.load_or_measure(ctx, k_max=16, budget_s=3.0)
+    assert curve.notes["complete"] and curve.notes["dropped"] == 0
+    assert curve.ratios[1:4] == pytest.approx([1.36, 1.36, 1.49], rel=0.01)  # r(1) <= r(2)
+    assert "threw away" not in capsys.readouterr().err
+
+
 def test_the_issue_poisoned_cache_heals_at_the_next_run(tmp_path, monkeypatch):
     """A cache written before these checks (one sample per size, r(3) = 6.26): none of its
     single samples is a value any more, and the next slice's medians decide."""

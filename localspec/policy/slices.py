@@ -40,6 +40,8 @@ SLICE_REPS = 3            # samples of each size of a group per slice
 NOISE = 0.25              # timing noise allowed past the physical bounds of one sample
 FALL = 0.25               # a larger batch's median this much under a smaller one's: not a curve
 AGREE = 0.10              # two samples within this of each other count as a size's value
+JITTER_S = 0.001          # one-token decodes faster than this are timer-bound (costmodel's
+                          # JITTER_MS): jitter, not load, so a slice of them is never thrown away
 
 
 def timed_ks(k_max: int) -> list:
@@ -152,11 +154,12 @@ def ratios_of(events: list) -> dict:
     return out
 
 
-def judge(new: dict) -> tuple:
+def judge(new: dict, whole: bool = True) -> tuple:
     """(the slice's samples to keep, why it was thrown away or None). A slice is thrown away
     whole when a third or more of its batch samples are implausible, or its sizes' medians fall
     by more than FALL as the batch grows; else only its implausible samples are dropped (they
-    are counted, not cached).
+    are counted, not cached). `whole` False: only samples are dropped (steps under a
+    millisecond, where timer jitter, not load, makes a slice look wrong).
 
     >>> judge({"t0": [0.1] * 4, "1": [1.2, 1.3, 1.2], "3": [1.5, 6.3, 1.4]})[0]["3"]
     [1.5, 1.4]
@@ -178,12 +181,12 @@ def judge(new: dict) -> tuple:
             keep[key] = ok
         if len(ok) >= 2:
             medians[k] = statistics.median(ok)
-    for k2, m2 in medians.items():
+    for k2, m2 in medians.items() if whole else ():
         for k1, m1 in medians.items():
             if k1 < k2 and m2 * (1.0 + FALL) < m1:
                 return {}, (f"r({k2}) {m2:.1f} under r({k1}) {m1:.1f}: the cost fell as the "
                             "batch grew")
-    if n and 3 * bad >= n:
+    if whole and n and 3 * bad >= n:
         k, r = worst
         return {}, (f"{bad} of {n} batches implausible, e.g. {k + 1} rows at {r:.1f} one-token "
                     f"decodes (more than {k + 1} separate ones)")
@@ -243,13 +246,13 @@ def merge(before: dict, new: dict) -> dict:
 def take_slice(ctx, samples: dict, k_max: int, deadline: float,
                say: Optional[Callable[[str], None]] = None) -> tuple:
     """(the samples with one judged slice added, how many of its samples were dropped): a slice
-    thrown away leaves `samples` as they were, with one line to `say` (unless the steps are
-    timer-bound: under a millisecond, jitter is not load)."""
+    thrown away leaves `samples` as they were, with one line to `say`. Steps under a
+    millisecond (JITTER_S) are timer-bound: only their implausible samples are dropped."""
     new = run_slice(ctx, samples, k_max, deadline)
-    kept, why = judge(new)
+    kept, why = judge(new, whole=min(new.get("t0", [1.0])) >= JITTER_S)
     n_new = sum(len(v) for k, v in new.items() if k != "t0")
     dropped = n_new - sum(len(v) for k, v in kept.items() if k != "t0")
-    if why and say is not None and min(new.get("t0", [1.0])) >= 0.001:
+    if why and say is not None:
         say(f"localspec: threw away this run's timing of verify batches ({why}; another job "
             "running?): drafting starts from the earlier samples or the prior and follows the "
             "steps' own timings.")
