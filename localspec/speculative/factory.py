@@ -96,7 +96,7 @@ def load_model(target: Union[str, os.PathLike], n_gpu_layers: int = 0,
         enable_exact_kernels()
     attach_rpc(rpc)
     model = Model(resolve_model(str(target)), ModelParams(n_gpu_layers=n_gpu_layers))
-    if exact and n_gpu_layers and model.n_gpu_layers <= model.n_layer and \
+    if exact and n_gpu_layers and 0 <= model.n_gpu_layers <= model.n_layer and \
             not batch_invariant_rows():
         model.close()
         raise LocalspecError(
