@@ -17,11 +17,8 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from localspec.llama import Context, ContextParams
-from localspec.llama.slots import SharedContext, _Work
 from localspec.speculative.parallel import Slots
 from localspec.llama.exact_rows import (device_exact_backends, device_exact_rows,
                                         set_device_exact_rows)
@@ -29,7 +26,8 @@ from localspec.speculative.sampling import SamplingParams
 
 from kernel_models import random_smollm
 from test_batch_invariant import every_row_mismatch
-from test_parallel import SLOT_CTX, config as parallel_config, run_alone, run_together
+from test_parallel import (config as parallel_config, run_alone, run_together,
+                           several_sequences_mismatch)
 from test_device import ALL, chats, dev_smollm, dev_tiny, gpu  # noqa: F401 (fixtures)
 from test_speculative import PROMPTS, assert_greedy_lossless, engine
 
@@ -187,28 +185,7 @@ def test_every_row_of_a_batch_of_several_sequences_equals_a_lone_decode_on_the_d
         dev_tiny, exact_device):
     """`--parallel` slots share a decode: one llama_decode carrying 1, 6 and 12 rows of three
     sequences, each row against the same token decoded alone in a lone context on the device."""
-    model = dev_tiny
-    prompts = [model.tokenize(p * 6) for p in ("alpha beta gamma ", "one two three ",
-                                                 "def f(x): return x ")]
-    conts = [[(31 * i + 7 * s + 3) % model.n_vocab for i in range(n)]
-             for s, n in enumerate((1, 6, 12))]
-    shared = SharedContext(model, ContextParams(n_ctx=SLOT_CTX * 3, n_threads=2), 3, 31)
-    try:
-        for slot, prompt in zip(shared.slots, prompts):
-            slot.decode(prompt, logits="none")
-        works = [_Work(s, cont, len(prompts[s]), np.ones(len(cont), dtype=np.int8), False)
-                 for s, cont in enumerate(conts)]
-        shared._run(works)
-        assert all(w.rc == 0 for w in works)
-    finally:
-        shared.close()
-    for s, (prompt, cont) in enumerate(zip(prompts, conts)):
-        with Context(model, ContextParams(n_ctx=SLOT_CTX, n_threads=2)) as lone:
-            lone.decode(prompt, logits="none")
-            single = np.stack([lone.decode([t], logits="last")[0].copy() for t in cont])
-        differing = [i for i in range(len(cont))
-                     if not np.array_equal(works[s].rows[i], single[i])]
-        assert not differing, f"sequence {s}: rows {differing} differ from lone decodes"
+    assert several_sequences_mismatch(dev_tiny) == []
 
 
 def test_two_slots_give_their_lone_texts_with_exact_on_the_device(dev_tiny, exact_device):

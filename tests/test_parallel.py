@@ -142,7 +142,12 @@ def test_slots_that_start_before_the_curve_is_measured_measure_it_once_safely(
 def test_every_row_of_a_batch_of_several_sequences_equals_a_lone_decode(smollm):
     """One llama_decode carrying 1, 6 and 12 rows of three sequences (llama.cpp splits it by
     sequence): each row against the same token decoded alone, in a lone context."""
-    model = smollm
+    assert several_sequences_mismatch(smollm) == []
+
+
+def several_sequences_mismatch(model) -> list:
+    """(sequence, rows) whose rows of one shared decode of three sequences (1, 6 and 12 rows)
+    differ from the same tokens decoded alone in a lone context (the device lane's test too)."""
     prompts = [model.tokenize(p * 6) for p in ("alpha beta gamma ", "one two three ",
                                                  "def f(x): return x ")]
     conts = [[(31 * i + 7 * s + 3) % model.n_vocab for i in range(n)]
@@ -157,15 +162,18 @@ def test_every_row_of_a_batch_of_several_sequences_equals_a_lone_decode(smollm):
         assert all(w.rc == 0 for w in works)
     finally:
         shared.close()
+    found = []
     for s, (prompt, cont) in enumerate(zip(prompts, conts)):
         with Context(model, ContextParams(n_ctx=SLOT_CTX, n_threads=2)) as lone:
             lone.decode(prompt, logits="none")
             single = np.stack([lone.decode([t], logits="last")[0].copy() for t in cont])
-        differing = [i for i in range(len(cont)) if not np.array_equal(works[s].rows[i], single[i])]
-        assert not differing, f"sequence {s}: rows {differing} differ from lone decodes"
+        differing = [i for i in range(len(cont))
+                     if not np.array_equal(works[s].rows[i], single[i])]
+        if differing:
+            found.append((s, differing))
+    return found
 
 
-@needs_invariant
 def test_a_stalled_reader_does_not_stall_the_other_slots(smollm):
     """A client that stops reading its stream holds its slot, not the others: a tick waits at
     most MAX_WAIT_S for it."""
