@@ -231,48 +231,11 @@ def system_info() -> str:
     return _state["system_info"]
 
 
-class _Feature(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_char_p)]   # ggml_backend_feature
-
-
 def cpu_features() -> dict:
     """The CPU backend's own feature list, e.g. {"AVX2": "1", "BATCH_INVARIANT": "32"}: asked of
     ggml's CPU registry entry only, so no GPU backend is touched. Read once per process."""
+    from .registry import backend_features        # registry.py builds on this module
     return backend_features("CPU")
-
-
-def backend_features(name: str) -> dict:
-    """One ggml backend's feature list ({} where the backend is not registered or lists none),
-    e.g. localspec's patched Vulkan library: {"BATCH_INVARIANT_SET": "1"}. Read once per process
-    and backend."""
-    key = f"features:{name}"
-    if key not in _state:
-        reg = backend_reg(name)
-        addr = backend_proc(reg, "ggml_backend_get_features")
-        found = {}
-        if addr:
-            get = ctypes.CFUNCTYPE(ctypes.POINTER(_Feature), ctypes.c_void_p)(addr)
-            features = get(reg)
-            for i in range(256):
-                if not features[i].name:
-                    break
-                found[features[i].name.decode()] = (features[i].value or b"").decode()
-        _state[key] = found
-    return _state[key]
-
-
-def backend_reg(name: str):
-    """ggml's registry entry for a backend by name ("CPU", "Vulkan", "CUDA"), or None."""
-    return ggml_function("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)(
-        name.encode())
-
-
-def backend_proc(reg, name: str):
-    """The address a backend's registry entry gives for a function name, or None."""
-    if not reg:
-        return None
-    return ggml_function("ggml_backend_reg_get_proc_address", ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_char_p)(reg, name.encode())
 
 
 def backend_version() -> str:

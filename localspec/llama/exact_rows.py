@@ -9,8 +9,8 @@ import ctypes
 import threading
 
 from ..errors import LocalspecError
-from .backend import (_state, backend_features, backend_proc, backend_reg, batch_invariant_rows,
-                      cpu_features, ggml_function, library_account)
+from .backend import _state, batch_invariant_rows, cpu_features, ggml_function, library_account
+from .registry import backend_features, backend_proc, backend_reg
 
 
 def exact_rows_settable() -> bool:
