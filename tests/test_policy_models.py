@@ -570,20 +570,13 @@ def test_the_issue_poisoned_cache_heals_at_the_next_run(tmp_path, monkeypatch):
     assert healed.ratios[7] == pytest.approx(2.31, rel=0.01)
 
 
-class SlowDevice:
+class SlowDevice(Device):
     """A context on a fake clock: a decode of n rows takes `one` x (1 + 0.5 (n - 1)) seconds (a
     prefix without logits `one`), and the first decode of a shape `compile_s` more (a software
     GPU compiling its shaders)."""
     def __init__(self, clock, one, compile_s):
-        self.clock, self.one, self.compile_s, self.shapes = clock, one, compile_s, set()
-        self.model = type("model", (), {"n_vocab": 100})
-        self.n_past, self.decoded = 0, []
-
-    def clear(self):
-        self.n_past = 0
-
-    def truncate(self, n):
-        self.n_past = n
+        super().__init__(clock, truth=None, one=one)
+        self.compile_s, self.shapes = compile_s, set()
 
     def decode(self, toks, logits):
         n = len(toks)
