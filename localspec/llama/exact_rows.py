@@ -1,6 +1,7 @@
 """The batch-invariant row limit of localspec's ggml-cpu, moved at run time (patch
 0001-batch-invariant-switch, docs/exactness.md): batches of fewer rows than the limit compute every row as a
-one-token decode does. Bound here through backend.py's ggml_function."""
+one-token decode does. Bound through backend.ggml_function (looked up on the module, so one
+wrapper sees every lookup)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import ctypes
 import threading
 
 from ..errors import LocalspecError
-from .backend import _state, batch_invariant_rows, cpu_features, ggml_function, library_account
+from . import backend as _b
+from .backend import _state, batch_invariant_rows, cpu_features, library_account
 from .registry import backend_features, backend_proc, backend_reg
 
 
@@ -28,7 +30,7 @@ def _exact_rows_function(name: str, restype, *argtypes):
                 "this process's ggml-cpu cannot raise its batch-invariant row limit ("
                 + ("a lib-exact from before the run-time limit; rerun ./install.sh"
                    if batch_invariant_rows() else f"it loaded {library_account()}") + ").")
-        fn = _state[name] = ggml_function(name, restype, *argtypes)
+        fn = _state[name] = _b.ggml_function(name, restype, *argtypes)
     return fn
 
 

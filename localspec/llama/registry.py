@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import ctypes
 
-from .backend import _state, ggml_function
+from . import backend as _b
+from .backend import _state
 
 
 class _Feature(ctypes.Structure):
@@ -37,7 +38,7 @@ def backend_features(name: str) -> dict:
 
 def backend_reg(name: str):
     """ggml's registry entry for a backend by name ("CPU", "Vulkan", "CUDA"), or None."""
-    return ggml_function("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)(
+    return _b.ggml_function("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)(
         name.encode())
 
 
@@ -45,5 +46,5 @@ def backend_proc(reg, name: str):
     """The address a backend's registry entry gives for a function name, or None."""
     if not reg:
         return None
-    return ggml_function("ggml_backend_reg_get_proc_address", ctypes.c_void_p, ctypes.c_void_p,
+    return _b.ggml_function("ggml_backend_reg_get_proc_address", ctypes.c_void_p, ctypes.c_void_p,
                          ctypes.c_char_p)(reg, name.encode())

@@ -14,7 +14,9 @@ from typing import Callable, Iterable, Optional
 
 from ..errors import LocalspecError
 from . import native
-from .backend import OFFLOAD_TYPES, device_handles, ggml_function
+from . import backend as _b
+from .backend import OFFLOAD_TYPES, device_handles
+from .registry import backend_proc, backend_reg
 from .rpc_watch import TIMEOUT_ENV, Watch, peers_of, timeout_s
 
 PROTOCOL_MAJOR = 7          # RPC_PROTO_MAJOR_VERSION of the pinned build: both ends must agree
@@ -75,12 +77,11 @@ def probe(endpoint: str, timeout: float = 10.0) -> tuple:
 
 def _entry(name: str, prototype):
     """An RPC backend function, looked up as llama.cpp's own tools do: through the registry."""
-    reg = ggml_function("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)(b"RPC")
+    reg = backend_reg("RPC")
     if not reg:
         raise LocalspecError("this llama.cpp build has no RPC backend (GGML_RPC=ON); reinstall "
                              "with ./install.sh, which builds it.")
-    addr = ggml_function("ggml_backend_reg_get_proc_address", ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_char_p)(reg, name.encode())
+    addr = backend_proc(reg, name)
     if not addr:
         raise LocalspecError(f"the RPC backend of this llama.cpp build lacks {name}.")
     return prototype(addr)
@@ -102,7 +103,7 @@ def _arm_lost_hook(limit: float) -> None:
                      f"silent ({where})")
     native.set_lost(_lost_line[0], _LOST_HINT, f"interrupted while llama.cpp used {_servers()}",
                     _LOST_WAIT_MS)
-    ggml_function("ggml_set_abort_callback", ctypes.c_void_p, ctypes.c_void_p)(
+    _b.ggml_function("ggml_set_abort_callback", ctypes.c_void_p, ctypes.c_void_p)(
         native.address("lsn_abort_hook"))
 
 
@@ -147,7 +148,7 @@ def attach(endpoints: Iterable[str]) -> None:
         reg = add(endpoint.encode())
         if not reg:
             raise LocalspecError(f"RPC server {endpoint} offers no device.")
-        ggml_function("ggml_backend_register", None, ctypes.c_void_p)(reg)
+        _b.ggml_function("ggml_backend_register", None, ctypes.c_void_p)(reg)
         _attached.append(endpoint)
         _arm_lost_hook(limit)
         if _watch is None:
@@ -182,7 +183,7 @@ def server(host: str, port: int, n_threads: int,
     if not chosen:
         raise LocalspecError("llama.cpp reports no device to serve.")
     devs = (ctypes.c_void_p * len(chosen))(*chosen)
-    clear_abort_hook = ggml_function("ggml_set_abort_callback", ctypes.c_void_p, ctypes.c_void_p)
+    clear_abort_hook = _b.ggml_function("ggml_set_abort_callback", ctypes.c_void_p, ctypes.c_void_p)
 
     def serve() -> None:
         # ggml aborts on a malformed frame; the server's parent process reads that as the
