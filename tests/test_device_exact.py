@@ -1,7 +1,8 @@
 """The device lane's exactness checks: with localspec's patched Vulkan library (patch
-0009-vulkan-batch-invariant-rows) and its row limit on, as --exact turns it on, every row of a
-verify batch is bit-identical to a one-token decode on the device, so speculative output is
-plain output token for token with no near-tie guard, greedy and seeded (docs/gpu.md,
+0009-vulkan-batch-invariant-rows; on an NVIDIA GPU the CUDA one, 0010) and its row limit on,
+as --exact turns it on, every row of a verify batch is bit-identical to a one-token decode on
+the device, so speculative output is plain output token for token with no near-tie guard,
+greedy and seeded (docs/gpu.md,
 "Batch-invariant rows on Vulkan"). Run by `pytest -m device` (scripts/ci/device_lane.sh, on
 Mesa's lavapipe where there is no GPU).
 
@@ -20,6 +21,7 @@ import sys
 import pytest
 
 from localspec.speculative.parallel import Slots
+from localspec.llama.backend import gpu_backends
 from localspec.llama.exact_rows import (device_exact_backends, device_exact_rows,
                                         set_device_exact_rows)
 from localspec.speculative.sampling import SamplingParams
@@ -43,15 +45,16 @@ DEVICE_TYPES = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "f16", "bf16", "f32"
 @pytest.fixture
 def exact_device(gpu):
     if not device_exact_backends():
-        pytest.fail("this build's Vulkan library is not localspec's patched one (install.sh "
-                    "applies patches/.../0009-vulkan-batch-invariant-rows.patch to Vulkan wheels)")
+        pytest.fail(f"this build's {'/'.join(gpu_backends())} library is not localspec's patched "
+                    "one (install.sh applies the series' 0009-vulkan- or 0010-cuda-batch-"
+                    "invariant-rows patch to GPU wheels)")
     set_device_exact_rows()
     yield
     set_device_exact_rows(0)
 
 
-def test_the_patched_vulkan_library_says_so_and_its_limit_moves_at_run_time(gpu):
-    assert device_exact_backends() == ["Vulkan"]
+def test_the_patched_gpu_library_says_so_and_its_limit_moves_at_run_time(gpu):
+    assert device_exact_backends() == gpu_backends()          # Vulkan, or CUDA on an NVIDIA GPU
     try:
         assert device_exact_rows() == 0           # off until set: llama.cpp's own choices
         set_device_exact_rows(18)

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FILES_1 = {"run.log", "setup.log", "diagnose.json", "identity.json", "parallel.json", "curve.json",
-           "overhead.json"}
+FILES_1 = {"run.log", "setup.log", "exact.json", "diagnose.json", "identity.json", "parallel.json",
+           "curve.json", "overhead.json"}
 
 
 def real_home() -> Path:
@@ -78,6 +78,8 @@ def test_the_recipe_runs_every_step_offline_in_two_calls(rehearsal):
     assert {f.name for f in two.iterdir()} == {"run.log", "bench.json", "tests.log", "qwen.json"}
     assert "skipped: no GPU" in (two / "tests.log").read_text()
     assert load(two, "qwen.json")["status"].startswith("skipped: the bundle holds no Qwen specs")
+    assert load(one, "exact.json")["status"].startswith(      # a CPU build: nothing to switch on
+        "skipped: this build's GPU library has no batch-invariant rows")
     assert "all steps done" in (two / "run.log").read_text()
 
 
@@ -120,6 +122,6 @@ def test_identity_curve_overhead_and_bench_say_what_ran(rehearsal):
     assert par["status"].startswith("ok"), par.get("log_tail")
     p = par["parallel"]
     assert p["identical"] == p["prompts"] == 2 and not p["errors"]    # the CPU: exact
-    for step in ("setup", "diagnose", "identity", "parallel", "curve", "overhead", "bench",
-                 "tests", "qwen"):
+    for step in ("setup", "exact", "diagnose", "identity", "parallel", "curve", "overhead",
+                 "bench", "tests", "qwen"):
         assert f" {step}: " in log         # one status line per step, across both calls

@@ -105,6 +105,34 @@ def test_gpu_measure_rows_and_scripted_lengths_on_the_tiny_model(tiny_path):
     assert ident["scripted-k3"]["drafted"] > ident["scripted-k1"]["drafted"] > 0
 
 
+def test_gpu_measure_rows_to_17_after_a_given_context_and_its_exact_switch_on_a_cpu_build(
+        tiny_path):
+    """The recipe's exact step asks for 2..17-row batches after 40 and 1500 tokens; on a build
+    without a patched GPU library its switch is one error line (the step skips before it)."""
+    gm = load("gpu_measure")
+    r = gm.rows(str(tiny_path), layers=0, threads=1, n_max=17, context=40)
+    assert sorted(r["by_n"]) == list(range(2, 18)) and r["context"] == 40 and not r["exact"]
+    from localspec.errors import LocalspecError
+    from localspec.llama.exact_rows import device_exact_backends
+    if not device_exact_backends():
+        with pytest.raises(LocalspecError, match="patches 0009 and 0010"):
+            with gm.exact_switch(True):
+                pass
+
+
+def test_gpu_result_headline_of_the_exact_step():
+    gr = load("gpu_result")
+    data = {"rows": [{"model": "m.gguf", "by_n": {"2": {"identical_rows": 2, "max_abs_diff": 0.0},
+                                                  "3": {"identical_rows": 1, "max_abs_diff": 0.5}}}],
+            "identity": [], "curves": [{"model": "m.gguf", "exact": False,
+                                        "ratios": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]},
+                                       {"model": "m.gguf", "exact": True,
+                                        "ratios": [1.0, 1.2, 1.3, 1.4, 1.5, 1.6]}]}
+    line = gr.headline("exact", data)
+    assert "n = [2] of 2-3 (largest difference 0.5)" in line
+    assert "r(1, 2, 4, 8, 16) limit off: 1.10 1.20 1.40" in line and "limit on: 1.20" in line
+
+
 def test_tiled_crossover_times_both_settings_in_their_own_processes(tiny_path, capsys):
     tc = load("tiled_crossover")
     tc.main(["--model", str(tiny_path), "--threads", "1", "--pairs", "1", "--reps", "1",

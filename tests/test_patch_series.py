@@ -63,23 +63,27 @@ def test_every_patch_opens_with_the_fixed_header_and_the_series_lists_the_folder
         text = (folder / name).read_text()
         series.check_header(name, text)                     # raises with the field it lacks
         fields = series.header_of(text)
-        assert any(w in fields["Cost"] for w in ("Zen", "Xeon", "one atomic")), name  # measured where
+        # measured where, or plainly not yet (the CUDA patch until a GPU run measures it)
+        assert any(w in fields["Cost"] for w in ("Zen", "Xeon", "one atomic", "not measured on")), \
+            name
         assert "tests/" in fields["Tests"], name
 
 
 def test_a_gpu_wheel_gets_the_patches_that_touch_only_its_backend(capsys):
-    """install.sh builds a Vulkan wheel from the sdist with the Vulkan-only patches applied, and
-    keys its cache by them; the CPU patches go to the batch-invariant ggml-cpu alone."""
+    """install.sh builds a Vulkan or CUDA wheel from the sdist with that backend's patches
+    applied, and keys its cache by them; the CPU patches go to the batch-invariant ggml-cpu
+    alone, and a backend the series does not patch has no key."""
     folder = series.series_dir(series_args())
     names, _ = series.read_series(folder)
     vulkan = series.backend_patches(folder, names, "vulkan")
+    cuda = series.backend_patches(folder, names, "cuda")
     assert vulkan and all("vulkan" in n for n in vulkan)
-    assert series.backend_patches(folder, names, "cuda") == []
-    assert not set(vulkan) & set(series.backend_patches(folder, names, "cpu"))
-    series.main(["key", "--backend", "vulkan"])
-    series.main(["key", "--backend", "cuda"])
-    first, second = capsys.readouterr().out.split("\n")[:2]
-    assert len(first) == 12 and second == ""
+    assert cuda and all("cuda" in n for n in cuda)
+    assert not set(vulkan + cuda) & set(series.backend_patches(folder, names, "cpu"))
+    for backend in ("vulkan", "cuda", "metal"):
+        series.main(["key", "--backend", backend])
+    first, second, third = capsys.readouterr().out.split("\n")[:3]
+    assert len(first) == len(second) == 12 and first != second and third == ""
 
 
 def test_a_header_without_a_field_is_one_clear_error():

@@ -18,7 +18,7 @@ from ..llama import buildflags
 from ..llama.buildflags import cpu_flags, read_cpuinfo
 from ..catalog.models import resolve_model
 from ..speculative.compat import check_pair
-from ..llama.exact_rows import device_exact_backends
+from ..llama.exact_rows import DEVICE_PATCHES, DEVICE_PROVEN, device_exact_backends
 from ..llama.libs import exact_lib_status
 from ..errors import LocalspecError
 from ..llama import (Context, ContextParams, Model, ModelParams, backend_init_failures,
@@ -55,8 +55,12 @@ def backend_lines() -> list:
     built = "/".join(gpu_backends()) or "CPU"
     lines = [f"backend: {built} (this build)"]
     for name in device_exact_backends():
-        lines.append(f"  {name}: localspec's batch-invariant rows (patch 0009): off by default, "
-                     f"on with --exact and every layer on the device (docs/gpu.md)")
+        proven = DEVICE_PROVEN.get(name)
+        checked = f"checked bit for bit on {proven}" if proven else \
+            "compiled, not yet checked on such a GPU: `pytest -m device` checks it on yours"
+        lines.append(f"  {name}: localspec's batch-invariant rows (patch {DEVICE_PATCHES[name]}):"
+                     f" off by default, on with --exact and every layer on the device; {checked}"
+                     f" (docs/gpu.md)")
     for d in devices():
         memory = f", {d.free_mib} MiB free of {d.total_mib}" if d.total_mib else ""
         lines.append(f"  device {d.name}: {d.description} ({d.type}{memory})")

@@ -126,13 +126,13 @@ def placement_options(f):
                      help="Insist on batch-invariant kernels (speculative output "
                           "bit-for-bit plain decoding's): on the CPU localspec's patched "
                           "ggml-cpu, which install.sh builds and every run loads by default, "
-                          "at llama.cpp's own speed (docs/exactness.md); on a Vulkan GPU "
-                          "(--gpu-layers -1) the row limit of localspec's patched Vulkan "
-                          "library, which this flag switches on (docs/gpu.md). With this flag "
-                          "a missing library is one error line instead of a fallback to "
+                          "at llama.cpp's own speed (docs/exactness.md); on a Vulkan or CUDA GPU "
+                          "(--gpu-layers -1) the row limit of localspec's patched Vulkan or "
+                          "CUDA library, which this flag switches on (docs/gpu.md). With this "
+                          "flag a missing library is one error line instead of a fallback to "
                           "llama.cpp's own kernels and the near-tie guard "
                           "(LOCALSPEC_EXACT=0 chooses those). Refused with RPC servers and "
-                          "GPU backends without the patch (CUDA, Metal). "
+                          "GPU backends without the patch (Metal, or an unpatched build). "
                           "Env: LOCALSPEC_EXACT=1."),
         click.option("--ctx", "n_ctx", type=click.IntRange(64, CTX_MAX), default=ENGINE.n_ctx,
                      show_default=True,

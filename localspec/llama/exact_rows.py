@@ -111,13 +111,17 @@ def exact_for(n_rows: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU backends: localspec's patched Vulkan library (patch 0009-vulkan-batch-invariant-rows) has a
-# row limit of its own, 0 (off) until set: batches of fewer rows compute every row as a one-row
-# batch does. Found through the backend's registry entry (its feature list says
+# GPU backends: localspec's patched Vulkan and CUDA libraries (patches 0009-vulkan- and
+# 0010-cuda-batch-invariant-rows) have a row limit of their own, 0 (off) until set: batches of
+# fewer rows compute every row as a one-row batch does. Found through the backend's registry entry (its feature list says
 # BATCH_INVARIANT_SET = 1; the setter and getter are looked up by name), so a build without the
 # patch simply has none.
 
-DEVICE_BACKENDS = ("Vulkan",)        # the GPU backends the series patches
+DEVICE_BACKENDS = ("Vulkan", "CUDA")    # the GPU backends the series patches, and their patch
+DEVICE_PATCHES = {"Vulkan": "0009-vulkan-batch-invariant-rows", "CUDA": "0010-cuda-batch-invariant-rows"}
+# Where each patched backend's rows were checked bit for bit (tests/test_device_exact.py); a
+# backend missing here compiles (scripts/ci/cuda_compile.sh) but has not been run on its hardware
+DEVICE_PROVEN = {"Vulkan": "Mesa's lavapipe, in CI's device lane"}
 DEVICE_EXACT_ROWS = 32               # as the CPU library's default; exact_for raises it past
 
 
@@ -143,7 +147,7 @@ def set_device_exact_rows(n: int = DEVICE_EXACT_ROWS) -> None:
     LocalspecError where no GPU backend is patched."""
     if not device_exact_backends():
         raise LocalspecError("no GPU backend of this process has localspec's batch-invariant "
-                             "rows (patch 0009-vulkan-batch-invariant-rows; rerun ./install.sh)")
+                             "rows (patches 0009 and 0010 of the series; rerun ./install.sh)")
     with _exact_rows_lock:
         _exact_rows_state["device"] = max(0, int(n))
         if not _exact_rows_state["device"]:

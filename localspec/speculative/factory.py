@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..policy.acceptance import TokenClasses
-from ..llama.exact_rows import (device_exact_backends, device_exact_rows, exact_rows_settable,
-                                set_device_exact_rows)
+from ..llama.exact_rows import (DEVICE_PROVEN, device_exact_backends, device_exact_rows,
+                                exact_rows_settable, set_device_exact_rows)
 from ..policy.config import K_LIMIT
 from ..catalog.models import resolve_model
 from .compat import check_pair
@@ -122,10 +122,15 @@ def exact_on_device() -> None:
             "this is a CPU build"
         raise LocalspecError(
             f"--exact promises speculative output bit for bit plain decoding's; on a GPU only "
-            f"localspec's patched Vulkan library keeps it (docs/gpu.md), and {has}. Drop "
-            f"--exact (and LOCALSPEC_EXACT), keep every layer on this CPU (--gpu-layers 0), or "
-            f"build for Vulkan (LOCALSPEC_BACKEND=vulkan ./install.sh).")
+            f"localspec's patched Vulkan and CUDA libraries keep it (docs/gpu.md), and {has}. "
+            f"Drop --exact (and LOCALSPEC_EXACT), keep every layer on this CPU (--gpu-layers 0),"
+            f" or rebuild with ./install.sh (LOCALSPEC_BACKEND=vulkan or cuda).")
     set_device_exact_rows()
+    for name in found:
+        if name not in DEVICE_PROVEN:
+            print(f"localspec: --exact on {name}: localspec's batch-invariant rows for {name} "
+                  f"compile but have not yet been checked on such a GPU; `pytest -m device` "
+                  f"checks them on yours (docs/gpu.md)", file=sys.stderr)
 
 
 def placement_line(model: Model) -> str:

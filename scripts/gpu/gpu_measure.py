@@ -3,6 +3,11 @@
     python scripts/gpu/gpu_measure.py --target T.gguf [--draft D.gguf] [--also M.gguf ...]
                                       [--gpu-layers -1] [--k-max 32] [--tokens 64] [--json out.json]
                                       [--what curve,identity,draft,parallel] [--prompts 20]
+                                      [--exact] [--contexts 200]
+
+With --exact (a patched GPU library: patch 0009 or 0010), rows and identity run with localspec's
+batch-invariant row limit on, as --exact runs them, and curve measures r(k) with the limit off
+and then on, so the switch's price sits beside llama.cpp's own kernels' in one process.
 
 - r(k) for k = 0..k_max of every model (calibrate.measure, best of 5 rounds), and which k the
   policy picks on that curve at a given acceptance (it should draft long where r(k) is flat);
@@ -18,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import queue
 import sys
@@ -30,6 +36,7 @@ from localspec.policy.calibrate import measure
 from localspec.speculative.engine import Engine, EngineConfig
 from localspec.speculative.parallel import Slots
 from localspec.llama import Context, ContextParams, Model, ModelParams, system_info
+from localspec.llama.exact_rows import set_device_exact_rows
 from localspec.policy.config import PolicyConfig
 from localspec.policy.draft_estimate import DraftPolicy
 from localspec.speculative.sampling import SamplingParams, top2_gap
@@ -42,8 +49,22 @@ from test_speculative import PROMPTS  # noqa: E402  (the suite's 20 identity pro
 ACCEPTANCE = (0.5, 0.7, 0.8, 0.9, 0.95)
 
 
-def curve(path: str, layers: int, k_max: int, threads) -> dict:
-    with Model(path, ModelParams(n_gpu_layers=layers)) as model, \
+@contextlib.contextmanager
+def exact_switch(on: bool):
+    """The patched GPU library's row limit on for the block (as --exact sets it), off after;
+    nothing when `on` is False. One error line where no GPU library of this build is patched."""
+    if not on:
+        yield
+        return
+    set_device_exact_rows()
+    try:
+        yield
+    finally:
+        set_device_exact_rows(0)
+
+
+def curve(path: str, layers: int, k_max: int, threads, exact: bool = False) -> dict:
+    with exact_switch(exact), Model(path, ModelParams(n_gpu_layers=layers)) as model, \
             Context(model, ContextParams(n_ctx=2048, n_threads=threads)) as ctx:
         c = measure(ctx, k_max)
     picks = {}
@@ -52,7 +73,7 @@ def curve(path: str, layers: int, k_max: int, threads) -> dict:
                                                             draft_prior_weight=1e9)).choose_k("x")
                       for a in ACCEPTANCE}
     return {"model": Path(path).name, "ms_per_step": round(c.ms_per_step, 3),
-            "ratios": list(c.ratios), "policy_k": picks}
+            "ratios": list(c.ratios), "policy_k": picks, "exact": exact}
 
 
 def first_divergence(a, b):
@@ -60,19 +81,21 @@ def first_divergence(a, b):
     return d if d is not None or len(a) == len(b) else min(len(a), len(b))
 
 
-def rows(path: str, layers: int, threads, n_max: int = 16, context: int = 200) -> dict:
+def rows(path: str, layers: int, threads, n_max: int = 16, context: int = 200,
+         exact: bool = False) -> dict:
     """Whether each row of an n-token batch equals the same tokens decoded one at a time, for
     n = 2..n_max after `context` tokens: per n, the rows bit-identical, the largest |logit|
-    difference and the rows whose argmax differs. Where rows part tells which kernels do."""
+    difference and the rows whose argmax differs. Where rows part tells which kernels do. With
+    `exact`, the patched GPU library's row limit is on (every row must then be identical)."""
     import numpy as np
-    with Model(path, ModelParams(n_gpu_layers=layers)) as model, \
+    with exact_switch(exact), Model(path, ModelParams(n_gpu_layers=layers)) as model, \
             Context(model, ContextParams(n_ctx=2048, n_threads=threads)) as ctx:
-        toks = model.tokenize(" ".join(PROMPTS) * 8)[:context + n_max]
+        toks = model.tokenize(" ".join(PROMPTS) * (8 + context // 150))[:context + n_max]
         ctx.decode(toks[:context], logits="none")
         alone = []
         for t in toks[context:]:
             alone.append(np.array(ctx.decode([t])[0], dtype=np.float32))
-        out = {"model": Path(path).name, "context": context, "by_n": {}}
+        out = {"model": Path(path).name, "context": context, "exact": exact, "by_n": {}}
         for n in range(2, n_max + 1):
             ctx.truncate(context)
             batch = np.array(ctx.decode(toks[context:context + n], logits="all"), dtype=np.float32)
@@ -89,13 +112,15 @@ def identity_modes(scripted_ks) -> list:
     return [("ngram", None)] + [(f"scripted-k{k}", k) for k in scripted_ks]
 
 
-def identity(path: str, layers: int, n_tokens: int, threads, scripted_ks=(8,)) -> dict:
+def identity(path: str, layers: int, n_tokens: int, threads, scripted_ks=(8,),
+             exact: bool = False) -> dict:
     """Plain vs speculative greedy on PROMPTS, n-gram (adaptive) and scripted drafts of each k in
     `scripted_ks` (all correct: every row of every verify batch of k + 1 rows is used), so a
-    device's batch sizes can be told apart."""
+    device's batch sizes can be told apart. `exact`: as --exact runs (the GPU library's row
+    limit on, no near-tie guard)."""
     cfg = EngineConfig(proposer="ngram", n_ctx=2048, n_threads=threads, n_gpu_layers=layers,
-                       cache_mb=0)      # no saved states: each run evaluates its prompt cold
-    out = {"model": Path(path).name, "prompts": len(PROMPTS)}
+                       cache_mb=0, exact=exact)   # no saved states: each prompt evaluated cold
+    out = {"model": Path(path).name, "prompts": len(PROMPTS), "exact": exact}
     with Engine(path, cfg) as eng, \
             Context(eng.model, ContextParams(2048, n_threads=threads)) as one:
         ngram = eng.proposer
@@ -211,6 +236,12 @@ def main(argv=None) -> None:
     ap.add_argument("--scripted-ks", default="8",
                     help="identity: the k of each scripted-draft run (comma-separated)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--exact", action="store_true",
+                    help="rows and identity with the patched GPU library's batch-invariant row "
+                         "limit on, as --exact runs them; curve measured with it off, then on")
+    ap.add_argument("--contexts", default="200",
+                    help="rows: the context lengths to check after (comma-separated)")
+    ap.add_argument("--rows-max", type=int, default=16, help="rows: batches of 2..N rows")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     what = {w.strip() for w in a.what.split(",") if w.strip()}
@@ -230,20 +261,26 @@ def main(argv=None) -> None:
     for path in [a.target, *a.also]:
         t = time.perf_counter()
         if "curve" in what:
-            res["curves"].append(c := curve(path, a.gpu_layers, a.k_max, a.threads))
-            save()
-            print(f"{c['model']}: one-token decode {c['ms_per_step']:.2f} ms; r(k) "
-                  + " ".join(f"{r:.2f}" for r in c["ratios"]), file=sys.stderr)
-            print(f"  policy k at acceptance {ACCEPTANCE}: {c['policy_k']}", file=sys.stderr)
+            for exact in ((False, True) if a.exact else (False,)):
+                res["curves"].append(c := curve(path, a.gpu_layers, a.k_max, a.threads, exact))
+                save()
+                print(f"{c['model']}{' (row limit on)' if exact else ''}: one-token decode "
+                      f"{c['ms_per_step']:.2f} ms; r(k) "
+                      + " ".join(f"{r:.2f}" for r in c["ratios"]), file=sys.stderr)
+                print(f"  policy k at acceptance {ACCEPTANCE}: {c['policy_k']}", file=sys.stderr)
         if "rows" in what:
-            res.setdefault("rows", []).append(r := rows(path, a.gpu_layers, a.threads))
-            save()
-            print(f"{r['model']}: rows identical to one-token decodes, by batch size: "
-                  + ", ".join(f"{n}: {v['identical_rows']}/{n} (max diff {v['max_abs_diff']})"
-                              for n, v in r["by_n"].items()), file=sys.stderr)
+            for context in (int(x) for x in a.contexts.split(",") if x):
+                res.setdefault("rows", []).append(r := rows(
+                    path, a.gpu_layers, a.threads, a.rows_max, context, a.exact))
+                save()
+                print(f"{r['model']} after {context} tokens: rows identical to one-token "
+                      "decodes, by batch size: "
+                      + ", ".join(f"{n}: {v['identical_rows']}/{n} (max diff {v['max_abs_diff']})"
+                                  for n, v in r["by_n"].items()), file=sys.stderr)
         if "identity" in what:
             ks = [int(k) for k in a.scripted_ks.split(",") if k]
-            res["identity"].append(i := identity(path, a.gpu_layers, a.tokens, a.threads, ks))
+            res["identity"].append(i := identity(path, a.gpu_layers, a.tokens, a.threads, ks,
+                                                 a.exact))
             save()
             for mode, _ in identity_modes(ks):
                 m = i[mode]

@@ -44,6 +44,14 @@ def headline(step: str, data) -> str:
                       f"{max(v['max_abs_diff'] for v in r['by_n'].values())})"
                       for r in data.get("rows", [])]
             return "; ".join(parts)
+        if step == "exact":
+            by_limit = {c["exact"]: c for c in data.get("curves", [])}
+            costs = "; ".join(
+                f"{c['model']} r(1, 2, 4, 8, 16) limit {'on' if on else 'off'}: "
+                + " ".join(f"{c['ratios'][k]:.2f}" for k in (1, 2, 4, 8, 16)
+                           if k < len(c["ratios"]))
+                for on, c in sorted(by_limit.items()))
+            return "; ".join(p for p in (headline("identity", data), costs) if p)
         if step == "parallel":
             p = data["parallel"]
             return (f"{p['slots']} slots: {p['identical']}/{p['prompts']} identical to their lone"

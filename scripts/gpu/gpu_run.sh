@@ -6,6 +6,9 @@
 #   step      timeout  result file      what
 #   setup       480 s  setup.log        a venv over the image's packages, the carried wheels,
 #                                       ./install.sh offline (the CUDA build: 5 min 23 s once)
+#   exact       240 s  exact.json       the CUDA patch's batch-invariant rows (--exact): every
+#                                       row of 2..17-row batches after 40 and 1500 tokens, greedy
+#                                       identity (n-gram; scripted k = 1, 4, 16), r(k) off and on
 #   diagnose    150 s  diagnose.json    one load per process: llama_cpp.Llama, localspec's door,
 #                                       the raw load + one suspect per case; cuda-gdb stacks
 #   identity     90 s  identity.json    greedy speculative == plain (n-gram; scripted k=8)
@@ -33,6 +36,7 @@
 #      <STEP>_TIMEOUT (SETUP_TIMEOUT, ...), DIAG_CASES, DIAG_CASE_TIMEOUT (40), TOKENS (32),
 #      IDENTITY_PROMPTS (20), IDENTITY_KS (8: the scripted drafts' k, comma-separated),
 #      IDENTITY_WHAT (identity; rows,identity: also each batch row against one-token decodes),
+#      EXACT_WHAT (rows,identity,curve), EXACT_CONTEXTS (40,1500), EXACT_KS (1,4,16),
 #      PARALLEL_TOKENS (64), K_MAX (16), KS (0,4,8,16), OVERHEAD_TOKENS (64),
 #      BENCH_ARGS ("-n 64"), TESTS_ARGS, THREADS (identity, curve, overhead; default: all cores),
 #      GPU_LEAN_BUILD=1 (no flash-attention kernels: a shorter CUDA build)
@@ -89,7 +93,8 @@ step_setup() {
   fi
   echo "# install.sh (offline: .gpu/whl and the image's packages only)" >> "$OUT/setup.log"
   # PIP_NO_BUILD_ISOLATION=0 means "no build isolation" (pip reads the no- option's value).
-  # No --exact libraries: exactness is a CPU claim, and their build would cost device minutes.
+  # No --exact CPU libraries: their build would cost device minutes, and the exact step keeps every
+  # layer on the GPU, where the CUDA wheel's own patch (0010) is what --exact needs.
   local rc=0
   # GPU_LEAN_BUILD=1: no flash-attention kernels (their templates are most of the CUDA build's
   # time): for a run that only has minutes left to find why a load crashes
@@ -174,6 +179,21 @@ step_diagnose() {
   [ -f "$OUT/diagnose.json" ]      # a crashing case is a result, not a failed step
 }
 
+step_exact() {     # the batch-invariant rows (patch 0010 on CUDA): rows, greedy identity, r(k)
+  "$VPY" -c 'import sys; from localspec.llama.exact_rows import device_exact_backends as d
+sys.exit(0 if d() else 1)' 2>/dev/null || {
+    echo "skipped: this build's GPU library has no batch-invariant rows (a CPU or unpatched build)"
+    return 4; }
+  local models=() m
+  m=$(shape_model smollm2-135m) && models+=("$m")
+  models+=("$(tiny_model)")
+  "$VPY" scripts/gpu/gpu_measure.py --exact --what "${EXACT_WHAT:-rows,identity,curve}" \
+    --target "${models[0]}" --also "${models[@]:1}" --gpu-layers "$(layers)" \
+    --contexts "${EXACT_CONTEXTS:-40,1500}" --rows-max 17 --tokens "${TOKENS:-32}" \
+    --prompts "${IDENTITY_PROMPTS:-20}" --scripted-ks "${EXACT_KS:-1,4,16}" --k-max 16 \
+    ${THREADS:+--threads "$THREADS"} --json "$OUT/exact.json"
+}
+
 step_identity() {
   local models=() m
   m=$(shape_model smollm2-135m) && models+=("$m")
@@ -245,10 +265,11 @@ step_tests() {
   "$VPY" -m pytest -q -p no:cacheprovider -m device tests/ ${TESTS_ARGS:-} > "$OUT/tests.log" 2>&1
 }
 
-STEPS=(setup diagnose identity parallel curve overhead bench tests qwen)
-declare -A CAP=([setup]=480 [diagnose]=150 [identity]=90 [parallel]=75 [curve]=90 [overhead]=75
-                [bench]=120 [tests]=300 [qwen]=240)
-declare -A RESULT=([setup]=setup.log [diagnose]=diagnose.json [identity]=identity.json
+STEPS=(setup exact diagnose identity parallel curve overhead bench tests qwen)
+declare -A CAP=([setup]=480 [exact]=240 [diagnose]=150 [identity]=90 [parallel]=75 [curve]=90
+                [overhead]=75 [bench]=120 [tests]=300 [qwen]=240)
+declare -A RESULT=([setup]=setup.log [exact]=exact.json [diagnose]=diagnose.json
+                   [identity]=identity.json
                    [parallel]=parallel.json [curve]=curve.json [overhead]=overhead.json
                    [bench]=bench.json [tests]=tests.log [qwen]=qwen.json)
 
