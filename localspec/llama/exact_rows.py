@@ -113,12 +113,13 @@ def exact_for(n_rows: int):
 # ---------------------------------------------------------------------------------------------
 # GPU backends: localspec's patched Vulkan and CUDA libraries (patches 0009-vulkan- and
 # 0010-cuda-batch-invariant-rows) have a row limit of their own, 0 (off) until set: batches of
-# fewer rows compute every row as a one-row batch does. Found through the backend's registry entry (its feature list says
-# BATCH_INVARIANT_SET = 1; the setter and getter are looked up by name), so a build without the
-# patch simply has none.
+# fewer rows compute every row as a one-row batch does. Found through the backend's registry
+# entry (its feature list says BATCH_INVARIANT_SET = 1; the setter and getter are looked up by
+# name), so a build without the patch simply has none.
 
 DEVICE_BACKENDS = ("Vulkan", "CUDA")    # the GPU backends the series patches, and their patch
-DEVICE_PATCHES = {"Vulkan": "0009-vulkan-batch-invariant-rows", "CUDA": "0010-cuda-batch-invariant-rows"}
+DEVICE_PATCHES = {"Vulkan": "0009-vulkan-batch-invariant-rows",
+                  "CUDA": "0010-cuda-batch-invariant-rows"}
 # Where each patched backend's rows were checked bit for bit (tests/test_device_exact.py); a
 # backend missing here compiles (scripts/ci/cuda_compile.sh) but has not been run on its hardware
 DEVICE_PROVEN = {"Vulkan": "Mesa's lavapipe, in CI's device lane"}

@@ -9,7 +9,7 @@
 #   CUDA_ARCHS="80 90" bash scripts/ci/cuda_compile.sh
 #
 # Needs nvcc (CUDA 12 or 13) and, once, PyPI: cuBLAS's headers come from NVIDIA's nvidia-cublas
-# wheel (the headers alone are kept, in $LOCALSPEC_HOME/cuda-headers/). ~1 min a architecture on
+# wheel (the headers alone are kept, in $LOCALSPEC_HOME/cuda-headers/). ~40 s an architecture on
 # 2 cores. Exit 0 compiled, 1 a file did not compile (its errors on stderr), 75 nothing to check
 # with here (no nvcc, no headers to be had): CI says so and goes on.
 set -euo pipefail
