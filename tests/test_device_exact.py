@@ -23,7 +23,7 @@ import pytest
 from localspec.speculative.parallel import Slots
 from localspec.llama.backend import gpu_backends
 from localspec.llama.exact_rows import (device_exact_backends, device_exact_rows,
-                                        set_device_exact_rows)
+                                        device_exact_rows_on, set_device_exact_rows)
 from localspec.speculative.sampling import SamplingParams
 
 from kernel_models import random_smollm
@@ -48,9 +48,8 @@ def exact_device(gpu):
         pytest.fail(f"this build's {'/'.join(gpu_backends())} library is not localspec's patched "
                     "one (install.sh applies the series' 0009-vulkan- or 0010-cuda-batch-"
                     "invariant-rows patch to GPU wheels)")
-    set_device_exact_rows()
-    yield
-    set_device_exact_rows(0)
+    with device_exact_rows_on():
+        yield
 
 
 def test_the_patched_gpu_library_says_so_and_its_limit_moves_at_run_time(gpu):

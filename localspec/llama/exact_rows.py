@@ -163,3 +163,14 @@ def device_exact_rows() -> int:
     limits = [int(_device_function(b, "ggml_backend_get_exact_rows", ctypes.c_int)())
               for b in device_exact_backends()]
     return min(limits) if limits else 0
+
+
+@contextlib.contextmanager
+def device_exact_rows_on(n: int = DEVICE_EXACT_ROWS):
+    """set_device_exact_rows(n) for the block, off (0) after it: a measurement or a test of the
+    patched GPU library's rows that leaves llama.cpp's own choices to what runs next."""
+    set_device_exact_rows(n)
+    try:
+        yield
+    finally:
+        set_device_exact_rows(0)

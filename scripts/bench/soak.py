@@ -725,11 +725,15 @@ class Soak:
                 for s in (self.http, self.stdio)}
 
     # phases ----------------------------------------------------------------------------------
+    def served_specs(self) -> list:
+        """The distinct good requests each server gets alone (FIM only where the model has it)."""
+        return [s for s in self.specs if self.fim or self.specs[s]["mode"] != "fim"]
+
     def lone_runs(self, surface: str) -> None:
         """Each distinct good request alone, one at a time: the texts every later run must
         give."""
         rng = random.Random(0)
-        for sid in [s for s in self.specs if self.fim or self.specs[s]["mode"] != "fim"]:
+        for sid in self.served_specs():
             rec = self.one(surface, "lone", rng, "lone", spec_id=sid)
             if rec["outcome"] != "ok":
                 say(f"the lone run of {sid} on {surface} failed: {rec}")
@@ -742,7 +746,7 @@ class Soak:
         later run's). Without it the restart's baseline came after one burst only, and the
         RAM prompt cache and arenas the lone runs fill showed as growth (+7.13%, docs/soak.md)."""
         rng = random.Random(0)
-        for sid in [s for s in self.specs if self.fim or self.specs[s]["mode"] != "fim"]:
+        for sid in self.served_specs():
             self.one(surface, "lone", rng, phase, spec_id=sid)
 
     def burst(self, surface: str, n: int, phase: str, slots: int = 0) -> None:
@@ -898,7 +902,7 @@ def run(a) -> dict:
         t.start()
     for t in lone:
         t.join()
-    if len(soak.lone) != 2 * sum(soak.fim or v["mode"] != "fim" for v in soak.specs.values()):
+    if len(soak.lone) != 2 * len(soak.served_specs()):
         raise SystemExit("soak: the lone runs did not finish; see the messages above")
     say("warm-up bursts")
     warm = [threading.Thread(target=soak.burst, args=(surface, 3 * slots, "warm-up", slots))

@@ -36,7 +36,7 @@ from localspec.policy.calibrate import measure
 from localspec.speculative.engine import Engine, EngineConfig
 from localspec.speculative.parallel import Slots
 from localspec.llama import Context, ContextParams, Model, ModelParams, system_info
-from localspec.llama.exact_rows import set_device_exact_rows
+from localspec.llama.exact_rows import device_exact_rows_on
 from localspec.policy.config import PolicyConfig
 from localspec.policy.draft_estimate import DraftPolicy
 from localspec.speculative.sampling import SamplingParams, top2_gap
@@ -49,18 +49,10 @@ from test_speculative import PROMPTS  # noqa: E402  (the suite's 20 identity pro
 ACCEPTANCE = (0.5, 0.7, 0.8, 0.9, 0.95)
 
 
-@contextlib.contextmanager
 def exact_switch(on: bool):
     """The patched GPU library's row limit on for the block (as --exact sets it), off after;
     nothing when `on` is False. One error line where no GPU library of this build is patched."""
-    if not on:
-        yield
-        return
-    set_device_exact_rows()
-    try:
-        yield
-    finally:
-        set_device_exact_rows(0)
+    return device_exact_rows_on() if on else contextlib.nullcontext()
 
 
 def curve(path: str, layers: int, k_max: int, threads, exact: bool = False) -> dict:

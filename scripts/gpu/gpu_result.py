@@ -45,12 +45,11 @@ def headline(step: str, data) -> str:
                       for r in data.get("rows", [])]
             return "; ".join(parts)
         if step == "exact":
-            by_limit = {c["exact"]: c for c in data.get("curves", [])}
             costs = "; ".join(
-                f"{c['model']} r(1, 2, 4, 8, 16) limit {'on' if on else 'off'}: "
+                f"{c['model']} r(1, 2, 4, 8, 16) limit {'on' if c['exact'] else 'off'}: "
                 + " ".join(f"{c['ratios'][k]:.2f}" for k in (1, 2, 4, 8, 16)
                            if k < len(c["ratios"]))
-                for on, c in sorted(by_limit.items()))
+                for c in data.get("curves", []))
             return "; ".join(p for p in (headline("identity", data), costs) if p)
         if step == "parallel":
             p = data["parallel"]
