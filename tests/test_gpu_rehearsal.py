@@ -116,7 +116,7 @@ def test_identity_curve_overhead_and_bench_say_what_ran(rehearsal):
     assert all(len(c["ratios"]) == 5 and c["ratios"][0] == 1.0 for c in curve["curves"])
     over = load(out / "out1", "overhead.json")
     assert over["status"].startswith("ok")
-    assert {(r["step"], r["k"]) for r in over["rows"]} >= {("engine", 0), ("prototype", 2)}
+    assert {(r["step"], r["k"]) for r in over["rows"]} >= {("engine", 0), ("per-row", 2)}
     bench = load(out / "out2", "bench.json")
     assert bench["status"].startswith("ok"), bench.get("log_tail")
     assert {r["mode"] for r in bench["rows"]} == {"plain", "ngram", "peer"}

@@ -2,7 +2,7 @@
 still drive the engine correctly, on the tiny model and the CPU: a device session gets few tries,
 so a script broken by an engine change must fail here first. Also the CPU kernel probe beside them
 (scripts/bench/tiled_crossover.py), whose child processes must keep loading a model. Only what the
-scripts decide is checked (identity, step counts, the prototype swapped in and out); their
+scripts decide is checked (identity, step counts, the per-row step swapped in and out); their
 timings are not. And the offline recipe's own scripts: the bundle's arithmetic (gpu_plan.py),
 the diagnostic matrix and its verdict (gpu_diagnose.py), the step results (gpu_result.py); the
 whole recipe is rehearsed in tests/test_gpu_rehearsal.py."""
@@ -32,26 +32,26 @@ def load(name):
     return module
 
 
-def test_step_overhead_runs_engine_and_prototype_to_the_same_output(tiny_path):
+def test_step_overhead_runs_the_one_pass_and_the_per_row_step_to_the_same_output(tiny_path):
     so = load("step_overhead")
     rows, profiles = so.measure(str(tiny_path), ks=[0, 3], n_tokens=12, gpu_layers=0, threads=1,
-                                penalty=1.1, steps=("engine", "prototype"), profile_k=3, reps=1)
+                                penalty=1.1, steps=("engine", "per-row"), profile_k=3, reps=1)
     assert [(r["step"], r["k"], r["mode"]) for r in rows] == [
-        ("engine", 0, "plain"), ("prototype", 0, "plain"), ("engine", 3, "accept"),
-        ("prototype", 3, "accept"), ("engine", 3, "reject"), ("prototype", 3, "reject")]
+        ("engine", 0, "plain"), ("per-row", 0, "plain"), ("engine", 3, "accept"),
+        ("per-row", 3, "accept"), ("engine", 3, "reject"), ("per-row", 3, "reject")]
     assert all(r["identical"] for r in rows)      # scripted drafts never change greedy output
     by = {(r["step"], r["k"], r["mode"]): r for r in rows}
     for k, mode in ((0, "plain"), (3, "accept"), (3, "reject")):
-        engine, proto = by[("engine", k, mode)], by[("prototype", k, mode)]
+        engine, per_row = by[("engine", k, mode)], by[("per-row", k, mode)]
         # The same steps with the same tokens each: near-tie rechecks (frequent on the tiny
         # model) included, so the two are timed on identical work.
         assert (engine["steps"], engine["tokens_per_step"]) == \
-            (proto["steps"], proto["tokens_per_step"])
+            (per_row["steps"], per_row["tokens_per_step"])
         assert engine["device_ms"] > 0                                # the clock saw llama_decode
     assert by[("engine", 0, "plain")]["tokens_per_step"] == 1.0
     assert by[("engine", 3, "accept")]["tokens_per_step"] > 1.0      # drafts were kept
     assert by[("engine", 3, "reject")]["tokens_per_step"] <= 1.0     # never a draft kept
-    assert set(profiles) == {"engine", "prototype"} and all(profiles.values())
+    assert set(profiles) == {"engine", "per-row"} and all(profiles.values())
     assert localspec.speculative.engine.step is step                             # put back after each run
 
 

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .greedy import greedy_verify
 from .sampling import PositionStream, SamplingParams, target_dist, top2_gap
 from .verify import verify
 
@@ -30,7 +31,7 @@ class StepResult:
 
 def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
          stream: PositionStream, out_pos: int, tie_margin: float = 0.0,
-         survival: Sequence[float] = ()) -> StepResult:
+         survival: Sequence[float] = (), one_pass: bool = True) -> StepResult:
     """Verify `proposal.tokens` (k drafts, maybe none) after `history`; `out_pos` is the output
     position of the first of them (what the random stream is indexed by). `survival`: each
     draft's predicted chance of being reached and accepted; a slot's shared tick may verify
@@ -41,6 +42,9 @@ def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
     Example (greedy): history [..., 3], drafts [5, 9, 4], target argmaxes per row [5, 9, 7, 2]
     -> emitted [5, 9, 7]; the cache keeps the rows of 3, 5 and 9.
     tie_margin > 0 (greedy only): a row whose top-2 logit gap is below it is not trusted.
+    Greedy sampling with point-mass drafts takes greedy.greedy_verify's one pass over the rows
+    (it penalises them in place); one_pass=False sends it through the per-row path too, the
+    same answer (the overhead bench's reference).
     """
     clock = time.perf_counter
     drafts, n_past, p_draft = list(proposal.tokens), ctx.n_past, proposal.p_draft
@@ -51,15 +55,22 @@ def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
         drafts = drafts[:len(rows) - 1]
         p_draft = p_draft[:len(drafts)] if p_draft is not None else None
     recent = sampling.penalty_window(history)
-    verdict = verify(drafts, p_draft,
-                     lambda i: target_dist(rows[i], sampling, recent + drafts[:i]), stream, out_pos)
-    emitted, kept = verdict.emitted(drafts), verdict.n_accepted
-    tie = near_tie(rows, kept, sampling, recent, drafts, tie_margin) if drafts else None
-    if tie is not None:   # emit what the rows before it decided; a one-token decode decides it
-        emitted, kept = drafts[:tie], tie - 1
+    if one_pass and sampling.greedy and p_draft is None:
+        greedy = greedy_verify(rows, drafts, sampling, recent, tie_margin)
+        emitted, kept, n_accepted, tie = (greedy.emitted(drafts), greedy.kept, greedy.n_accepted,
+                                          greedy.tie)
+    else:
+        verdict = verify(drafts, p_draft, lambda i: target_dist(rows[i], sampling,
+                                                                recent + drafts[:i]),
+                         stream, out_pos)
+        emitted, kept = verdict.emitted(drafts), verdict.n_accepted
+        n_accepted = kept
+        tie = near_tie(rows, kept, sampling, recent, drafts, tie_margin) if drafts else None
+        if tie is not None:   # emit what the rows before it decided; a one-token decode decides it
+            emitted, kept = drafts[:tie], tie - 1
     # Keep [last] + the kept drafts; the last emitted token is not in the cache yet.
     rolled_back = ctx.truncate(n_past + 1 + kept)
-    return StepResult(emitted, len(drafts), verdict.n_accepted, tie is not None, rolled_back,
+    return StepResult(emitted, len(drafts), n_accepted, tie is not None, rolled_back,
                       1000 * (decode_end - decode_start), 1000 * (clock() - decode_end))
 
 

@@ -4,8 +4,9 @@ On a GPU a 1.5B decode step takes a few milliseconds, so what Python does around
 batch setup, logits rows, sampler chain per row, verification, bookkeeping) becomes a large
 share. This drives the real engine with a fixed k and times it from outside: llama_decode and
 llama_get_logits (which waits for the GPU) are "device" time, everything else in a step is
-overhead. "engine" runs step.step; "prototype" runs fastpath.greedy_step in its place (same
-contract, one-pass greedy verification), everything around it being the engine's own code.
+overhead. "engine" runs step.step as shipped (greedy point-mass drafts: greedy.greedy_verify's
+one pass); "per-row" runs it with one_pass=False (verify() over target_dist() rows, then the
+near-tie guard: the step before the one pass), everything around it being the engine's own code.
 A scripted proposer makes every step draft exactly k tokens:
 
   accept   drafts the reference (plain greedy) output: every row is verified, k+1 tokens a step
@@ -14,7 +15,7 @@ A scripted proposer makes every step draft exactly k tokens:
     python scripts/bench/step_overhead.py MODEL.gguf [--ks 0,4,8,16] [--tokens 128]
            [--gpu-layers -1]
     python scripts/bench/step_overhead.py --tiny ...   # the test suite's tiny model (sub-ms decode)
-    ... --fast            also the prototype (fastpath.greedy_step), interleaved case by case
+    ... --per-row         also the per-row path (step one_pass=False), interleaved case by case
     ... --profile N       cProfile a k=N accept run of each step; top functions by own time
     ... --json out.json
     python scripts/bench/step_overhead.py --rows 151936 [--ks ...]   # verification alone, no model
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import os
@@ -48,15 +50,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 import localspec.speculative.engine
 from localspec.llama import backend as llama   # its `C`, patched below to time calls
 from localspec.speculative.engine import Engine, EngineConfig
-from tools.fastpath import greedy_step, greedy_verify
+from localspec.speculative.greedy import greedy_verify
 from localspec.policy.config import PolicyConfig
 from localspec.policy.acceptance import Offer
 from localspec.speculative.proposers import Proposal, Proposer
 from localspec.speculative.sampling import PositionStream, SamplingParams, target_dist
-from localspec.speculative.step import near_tie
+from localspec.speculative.step import near_tie, step as step_fn
 from localspec.speculative.verify import verify
 
 STEP = localspec.speculative.engine.step        # step.step, as the engine imported it
+PER_ROW = functools.partial(step_fn, one_pass=False)
 
 PROMPTS = [
     "Rewrite this function with type hints:\ndef add(a, b):\n    return a + b\n",
@@ -170,13 +173,13 @@ def timed_generation(engine, prompt, sampling, prof=None, **generate):
     return samples, gen
 
 
-def run_case(engine, prompt, reference, k, mode, sampling, fast, profile):
+def run_case(engine, prompt, reference, k, mode, sampling, per_row, profile):
     """One generation at fixed k: its per-step samples (ms), identity and tokens per step."""
     if k:
         engine.proposer = ScriptedProposer(reference, mode, engine.model.n_vocab)
-    # Engine._step calls the module-level name `step`: the prototype goes in there, for this
+    # Engine._step calls the module-level name `step`: the per-row path goes in there, for this
     # generation only, so propose, bookkeeping and the loop stay the engine's own.
-    localspec.speculative.engine.step = greedy_step if fast else STEP
+    localspec.speculative.engine.step = PER_ROW if per_row else STEP
     prof = cProfile.Profile() if profile else None
     try:
         samples, gen = timed_generation(engine, prompt, sampling, prof,
@@ -218,8 +221,8 @@ def measure_adaptive(model: str, n_tokens, threads, reps):
     return rows
 
 
-def engine_verify(rows, drafts, sampling, recent, margin):
-    """What step.step does after the decode for greedy point-mass drafts: verify() over
+def per_row_verify(rows, drafts, sampling, recent, margin):
+    """What step.step's per-row path does after the decode (one_pass=False): verify() over
     target_dist() rows, then near_tie() over top2_gap() rows."""
     verdict = verify(drafts, None, lambda i: target_dist(rows[i], sampling, recent + drafts[:i]),
                      PositionStream(1), out_pos=0)
@@ -230,7 +233,8 @@ def engine_verify(rows, drafts, sampling, recent, margin):
 
 def bench_rows(n_vocab: int, ks, penalty: float, reps: int = 200) -> list:
     """Verification alone on random rows [k + 1, n_vocab]: the engine's per-row path vs
-    fastpath.greedy_verify, drafts all accepted or the first rejected. Best of `reps`, in ms."""
+    greedy.greedy_verify's one pass, drafts all accepted or the first rejected. Best of `reps`,
+    in ms."""
     rng = np.random.default_rng(0)
     sampling = SamplingParams(temperature=0.0, repeat_penalty=penalty)
     recent = [int(t) for t in rng.integers(0, n_vocab, 64)] if penalty != 1.0 else []
@@ -240,12 +244,12 @@ def bench_rows(n_vocab: int, ks, penalty: float, reps: int = 200) -> list:
         good = [int(np.argmax(r)) for r in rows[:k]]
         for mode, drafts in (("accept", good), ("reject", [(good[0] + 1) % n_vocab] + good[1:]
                                                   if k else [])):
-            times = {"engine": float("inf"), "prototype": float("inf")}
+            times = {"per-row": float("inf"), "one-pass": float("inf")}
             for _ in range(reps):
                 for name in times:
-                    work = rows.copy()           # the prototype penalises in place
+                    work = rows.copy()           # the one pass penalises in place
                     t = time.perf_counter()
-                    (engine_verify if name == "engine" else greedy_verify)(
+                    (per_row_verify if name == "per-row" else greedy_verify)(
                         work, drafts, sampling, recent, 0.25)
                     times[name] = min(times[name], time.perf_counter() - t)
             out.append({"k": k, "mode": mode, **{n: 1000 * v for n, v in times.items()}})
@@ -304,7 +308,7 @@ def measure(model: str, ks, n_tokens, gpu_layers, threads, penalty, steps, profi
                         for step in steps:
                             want = profile_k == k and mode == "accept" and step not in profiles
                             got, identical, prof = run_case(engine, prompt, ref, k, mode,
-                                                            sampling, step == "prototype", want)
+                                                            sampling, step == "per-row", want)
                             samples[step] += got
                             same[step] &= identical
                             if prof:
@@ -342,8 +346,9 @@ def main() -> None:
     ap.add_argument("--gpu-layers", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeat-penalty", type=float, default=1.0)
-    ap.add_argument("--fast", action="store_true",
-                    help="also the prototype step, interleaved case by case with the engine's")
+    ap.add_argument("--per-row", action="store_true",
+                    help="also the per-row step (one_pass=False), interleaved case by case with "
+                         "the engine's")
     ap.add_argument("--profile", type=int, default=None, metavar="K")
     ap.add_argument("--rows", type=int, metavar="N_VOCAB",
                     help="verification alone on random rows of this vocabulary size (no model)")
@@ -356,8 +361,8 @@ def main() -> None:
         print(f"# verification of k+1 random rows of {a.rows} logits, repeat_penalty "
               f"{a.repeat_penalty}, best of 200 (ms); load {os.getloadavg()[0]:.1f}")
         for r in bench_rows(a.rows, ks, a.repeat_penalty):
-            print(f"k={r['k']:2d} {r['mode']:6}  engine {r['engine']:7.3f}  prototype "
-                  f"{r['prototype']:7.3f}  ({r['engine'] / r['prototype']:.1f}x)")
+            print(f"k={r['k']:2d} {r['mode']:6}  per-row {r['per-row']:7.3f}  one-pass "
+                  f"{r['one-pass']:7.3f}  ({r['per-row'] / r['one-pass']:.1f}x)")
         return
     if not a.model and not a.tiny:
         ap.error("give MODEL.gguf, --tiny or --rows N")
@@ -368,7 +373,7 @@ def main() -> None:
             rows, profiles = measure_adaptive(model, a.tokens, a.threads, a.reps), {}
         else:
             rows, profiles = measure(model, ks, a.tokens, a.gpu_layers, a.threads,
-                                     a.repeat_penalty, ("engine", "prototype") if a.fast
+                                     a.repeat_penalty, ("engine", "per-row") if a.per_row
                                      else ("engine",), a.profile, a.reps)
     label = (f"{'tiny model' if a.tiny else Path(a.model).name}, gpu_layers {a.gpu_layers}, "
              f"threads {a.threads or 'all'}, repeat_penalty {a.repeat_penalty}, {a.tokens} tokens"

@@ -15,7 +15,7 @@
 #   parallel     75 s  parallel.json    4 slots in one context (--parallel): each request's text
 #                                       against its lone run, tokens/s against one at a time
 #   curve        90 s  curve.json       r(k) for k = 0..16 and the policy's k (SmolLM2 shape)
-#   overhead     75 s  overhead.json    Python time per step around the device, engine/prototype
+#   overhead     75 s  overhead.json    Python time per step around the device, one-pass/per-row
 #   bench       120 s  bench.json       the real SmolLM2-135M: plain, ngram, peer
 #   tests       300 s  tests.log        pytest -m device (tests/test_device.py)
 #   qwen        240 s  qwen.json        the Qwen2.5-Coder 1.5B/0.5B shapes (when their specs
@@ -224,7 +224,7 @@ step_curve() {
 
 overhead() {   # overhead MODEL JSON
   "$VPY" scripts/bench/step_overhead.py "$1" --gpu-layers "$(layers)" --ks "${KS:-0,4,8,16}" \
-    --tokens "${OVERHEAD_TOKENS:-64}" --reps 1 --fast --profile 8 ${THREADS:+--threads "$THREADS"} \
+    --tokens "${OVERHEAD_TOKENS:-64}" --reps 1 --per-row --profile 8 ${THREADS:+--threads "$THREADS"} \
     --json "$2"
 }
 

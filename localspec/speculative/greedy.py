@@ -1,22 +1,19 @@
-"""Greedy verification of a verify batch in one pass over its rows (a prototype for the step).
-
-Same answer as step.step (`verify()` over `target_dist()` rows, then `near_tie()` over `top2_gap()`
-rows) for greedy sampling and point-mass drafts, without what a GPU step cannot afford: a Dist, a
-draw and two random numbers per row, a second argmax and a penalised copy of each row for the
-guard, and rows past the first rejection. Not wired into the engine: scripts/bench/step_overhead.py
-swaps greedy_step in for step to measure what it saves (docs/gpu-offline-recipe.md).
+"""Greedy verification in one pass over a verify batch's rows: what verify() over target_dist()
+rows and the step's near-tie guard over top2_gap() rows decide for greedy sampling and
+point-mass drafts (n-gram lookup, a greedy draft model), without a Dist, a draw, a penalised
+copy of each row or a second argmax per row. On a GPU, where a step takes a few milliseconds,
+that per-row Python was 0.2-0.3 ms of a k = 8 step (docs/gpu.md); tests/test_greedy.py holds it
+to the per-row path's answer on random batches with ties, near-ties and penalties.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
-from localspec.speculative.sampling import PositionStream, SamplingParams
-from localspec.speculative.step import StepResult, step
+from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -74,22 +71,3 @@ def greedy_verify(rows: np.ndarray, drafts: Sequence[int], sampling: SamplingPar
         if i == k or best != drafts[i]:
             return GreedyVerdict(i, best, tie)
     raise AssertionError("unreachable: row k always returns")
-
-
-def greedy_step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
-                stream: PositionStream, out_pos: int, tie_margin: float = 0.0,
-                survival: Sequence[float] = ()) -> StepResult:
-    """step.step's contract and result, verified by greedy_verify. Sampled decoding and drafts
-    with probabilities (a draft model sampling) go to step.step unchanged."""
-    if not sampling.greedy or proposal.p_draft is not None:
-        return step(ctx, proposal, sampling, history, stream, out_pos, tie_margin, survival)
-    clock = time.perf_counter
-    drafts, n_past = list(proposal.tokens), ctx.n_past
-    t1 = clock()
-    rows = ctx.verify_rows([history[-1], *drafts], survival)   # [k + 1, n_vocab] float32
-    t2 = clock()
-    drafts = drafts[:len(rows) - 1]       # a shared tick may have kept fewer rows
-    verdict = greedy_verify(rows, drafts, sampling, sampling.penalty_window(history), tie_margin)
-    rolled_back = ctx.truncate(n_past + 1 + verdict.kept)
-    return StepResult(verdict.emitted(drafts), len(drafts), verdict.n_accepted,
-                      verdict.tie is not None, rolled_back, 1000 * (t2 - t1), 1000 * (clock() - t2))

@@ -1,11 +1,13 @@
-"""localspec/fastpath.py: one-pass greedy verification gives exactly what the per-row path gives
-(verify() over target_dist() rows, then the step's near-tie guard over top2_gap()), and
-greedy_step is a drop-in for step.step: same result and KV rows on a scripted context, same
-output and counters through the engine on a real model."""
+"""localspec/speculative/greedy.py: one-pass greedy verification gives exactly what the per-row
+path gives (verify() over target_dist() rows, then the step's near-tie guard over top2_gap()),
+and step.step's one pass (the default for greedy point-mass drafts) is its per-row path
+(one_pass=False): same result and KV rows on a scripted context, same output and counters
+through the engine on a real model."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -14,8 +16,8 @@ from test_step import ScriptedContext
 
 import localspec.speculative.engine
 from localspec.speculative.engine import Engine, EngineConfig
-from tools.fastpath import greedy_step, greedy_verify, penalize_row
 from localspec.policy.config import PolicyConfig
+from localspec.speculative.greedy import greedy_verify, penalize_row
 from localspec.speculative.proposers import Proposal
 from localspec.speculative.sampling import (PositionStream, SamplingParams, apply_penalty, target_dist,
                                      top2_gap)
@@ -98,10 +100,14 @@ def test_penalize_row_in_place_equals_apply_penalty():
     assert np.array_equal(row, want) and list(row) == [1.0, -2.0, 0.5, 3.0]
 
 
+PER_ROW = functools.partial(step, one_pass=False)
+
+
 def same_step(ctx_args, history, drafts, sampling=SamplingParams(), tie_margin=0.0):
-    """Run step and greedy_step from the same state on two scripted contexts; compare."""
+    """Run the step's per-row path and its one pass from the same state on two scripted
+    contexts; compare."""
     results = []
-    for fn in (step, greedy_step):
+    for fn in (PER_ROW, step):
         ctx = ScriptedContext(**ctx_args)
         ctx.tokens = list(history[:-1])
         r = fn(ctx, Proposal(list(drafts), None, "history"), sampling, history,
@@ -121,24 +127,25 @@ def same_step(ctx_args, history, drafts, sampling=SamplingParams(), tie_margin=0
     ({"ties_after": {3, 5}}, [4, 5, 6], 0.0),            # guard off
     ({"refuse_rollback": True}, [4, 9, 9], 0.25),        # rollback refused, reported
 ])
-def test_greedy_step_is_step_on_a_scripted_context(ctx_args, drafts, margin):
+def test_one_pass_is_the_per_row_step_on_a_scripted_context(ctx_args, drafts, margin):
     same_step(ctx_args, [1, 2, 3], drafts, tie_margin=margin)
 
 
-def test_greedy_step_penalises_each_row_like_step():
+def test_one_pass_penalises_each_row_like_the_per_row_step():
     penalised = SamplingParams(repeat_penalty=100.0, repeat_last_n=64)
     r = same_step({"target": lambda seen: 4}, [1, 2, 3], [4, 4], penalised)
     assert r.emitted == [4, 5]                           # row 1 sees the draft 4
 
 
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
-def test_engine_with_greedy_step_matches_engine_with_step(tiny_model, monkeypatch, penalty):
+def test_engine_with_one_pass_matches_engine_with_the_per_row_step(tiny_model, monkeypatch,
+                                                                   penalty):
     """The real tiny model, n-gram drafts of up to 4 on repeating prompts, near-tie guard on:
     swapping the step changes neither the output nor what was drafted, accepted, re-decided."""
     sampling = SamplingParams(repeat_penalty=penalty)
     config = EngineConfig(n_ctx=512, n_threads=1, cache_mb=0, policy=PolicyConfig(fixed_k=4))
     runs = {}
-    for name, fn in (("step", step), ("greedy_step", greedy_step)):
+    for name, fn in (("per_row", PER_ROW), ("one_pass", step)):
         monkeypatch.setattr(localspec.speculative.engine, "step", fn)
         with Engine(tiny_model, config) as eng:
             runs[name] = []
@@ -147,5 +154,5 @@ def test_engine_with_greedy_step_matches_engine_with_step(tiny_model, monkeypatc
                 st = gen.stats
                 runs[name].append((gen.complete_tokens(), st.steps, st.drafted, st.accepted,
                                    st.rechecks))
-    assert runs["step"] == runs["greedy_step"]
-    assert sum(r[2] for r in runs["step"]) > 0           # drafts were verified, not only plain
+    assert runs["per_row"] == runs["one_pass"]
+    assert sum(r[2] for r in runs["per_row"]) > 0           # drafts were verified, not only plain
