@@ -17,9 +17,12 @@ from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)
-class GreedyVerdict:
-    n_accepted: int          # drafts whose row's argmax equals them, 0..k (as verify() counts)
-    token: int               # argmax of row n_accepted: the recovered or bonus token
+class RowsVerdict:
+    """What a verify batch's rows decided, by either path (the step's one pass or verify() with
+    the near-tie guard), and the one rule for what the step emits and keeps from it."""
+
+    n_accepted: int          # drafts the verifier kept, 0..k (as verify() counts)
+    token: int               # the recovered or bonus token of row n_accepted
     tie: Optional[int]       # first row 0..n_accepted closer than the margin, or None
 
     def emitted(self, drafts: Sequence[int]) -> list:
@@ -46,7 +49,7 @@ def penalize_row(row: np.ndarray, window: Sequence[int], penalty: float) -> None
 
 
 def greedy_verify(rows: np.ndarray, drafts: Sequence[int], sampling: SamplingParams,
-                  recent: Sequence[int], margin: float) -> GreedyVerdict:
+                  recent: Sequence[int], margin: float) -> RowsVerdict:
     """Verify point-mass `drafts` against greedy rows [k + 1, n_vocab] float32.
 
     Row i is the target's next-token logits after drafts[:i]; its penalty window is the last
@@ -56,7 +59,7 @@ def greedy_verify(rows: np.ndarray, drafts: Sequence[int], sampling: SamplingPar
     Example: drafts [5, 9, 4], row argmaxes [5, 9, 7, 2] -> n_accepted 2, token 7, tie None.
     """
     k, penalty = len(drafts), sampling.repeat_penalty
-    history = list(recent) if penalty != 1.0 else []
+    history = list(recent)             # empty when the penalty is off
     tie = None
     for i in range(k + 1):
         row = rows[i]
@@ -69,5 +72,5 @@ def greedy_verify(rows: np.ndarray, drafts: Sequence[int], sampling: SamplingPar
             if float(row[best] - second) < margin:
                 tie = i              # keep verifying: n_accepted feeds the policy and stats
         if i == k or best != drafts[i]:
-            return GreedyVerdict(i, best, tie)
+            return RowsVerdict(i, best, tie)
     raise AssertionError("unreachable: row k always returns")

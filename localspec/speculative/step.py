@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .greedy import greedy_verify
+from .greedy import RowsVerdict, greedy_verify
 from .sampling import PositionStream, SamplingParams, target_dist, top2_gap
 from .verify import verify
 
@@ -56,22 +56,21 @@ def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
         p_draft = p_draft[:len(drafts)] if p_draft is not None else None
     recent = sampling.penalty_window(history)
     if one_pass and sampling.greedy and p_draft is None:
-        greedy = greedy_verify(rows, drafts, sampling, recent, tie_margin)
-        emitted, kept, n_accepted, tie = (greedy.emitted(drafts), greedy.kept, greedy.n_accepted,
-                                          greedy.tie)
+        decided = greedy_verify(rows, drafts, sampling, recent, tie_margin)
     else:
         verdict = verify(drafts, p_draft, lambda i: target_dist(rows[i], sampling,
                                                                 recent + drafts[:i]),
                          stream, out_pos)
-        emitted, kept = verdict.emitted(drafts), verdict.n_accepted
-        n_accepted = kept
-        tie = near_tie(rows, kept, sampling, recent, drafts, tie_margin) if drafts else None
-        if tie is not None:   # emit what the rows before it decided; a one-token decode decides it
-            emitted, kept = drafts[:tie], tie - 1
+        tie = near_tie(rows, verdict.n_accepted, sampling, recent, drafts, tie_margin) \
+            if drafts else None
+        decided = RowsVerdict(verdict.n_accepted, verdict.token, tie)
+    # after a near-tie only what the rows before it decided; a one-token decode decides it
+    emitted, kept = decided.emitted(drafts), decided.kept
     # Keep [last] + the kept drafts; the last emitted token is not in the cache yet.
     rolled_back = ctx.truncate(n_past + 1 + kept)
-    return StepResult(emitted, len(drafts), n_accepted, tie is not None, rolled_back,
-                      1000 * (decode_end - decode_start), 1000 * (clock() - decode_end))
+    verify_ms, sample_ms = 1000 * (decode_end - decode_start), 1000 * (clock() - decode_end)
+    return StepResult(emitted, len(drafts), decided.n_accepted, decided.tie is not None,
+                      rolled_back, verify_ms, sample_ms)
 
 
 def near_tie(rows: np.ndarray, upto: int, sampling: SamplingParams, recent: list,
