@@ -114,6 +114,10 @@ def test_identity_curve_overhead_and_bench_say_what_ran(rehearsal):
     curve = load(out / "out1", "curve.json")
     assert curve["status"].startswith("ok") and curve["gpu_layers"] == 0
     assert all(len(c["ratios"]) == 5 and c["ratios"][0] == 1.0 for c in curve["curves"])
+    # patch 0011's price: the first model's curve again from a process with CUDA graphs off
+    assert [c["graphs"] for c in curve["curves"]][-1] is False
+    assert curve["curves"][-1]["model"] == curve["curves"][0]["model"]
+    assert all(c["graphs"] for c in curve["curves"][:-1])
     over = load(out / "out1", "overhead.json")
     assert over["status"].startswith("ok")
     assert {(r["step"], r["k"]) for r in over["rows"]} >= {("engine", 0), ("per-row", 2)}

@@ -18,6 +18,10 @@ and then on, so the switch's price sits beside llama.cpp's own kernels' in one p
 - parallel: the prompts as concurrent greedy n-gram requests through `--parallel` slots (one
   shared context, one batch per tick) against each run alone, text and tokens, and the aggregate
   tokens/s of the slots against one request at a time.
+
+Each curve says whether CUDA graphs were on (`graphs`): GGML_CUDA_DISABLE_GRAPHS=1 in the
+environment turns them off for the process, which is how gpu_run.sh measures patch 0011
+(one captured graph per batch shape) against the direct launches in one run.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import queue
 import sys
 import threading
@@ -65,7 +70,9 @@ def curve(path: str, layers: int, k_max: int, threads, exact: bool = False) -> d
                                                             draft_prior_weight=1e9)).choose_k("x")
                       for a in ACCEPTANCE}
     return {"model": Path(path).name, "ms_per_step": round(c.ms_per_step, 3),
-            "ratios": list(c.ratios), "policy_k": picks, "exact": exact}
+            "ratios": list(c.ratios), "policy_k": picks, "exact": exact,
+            # CUDA reads this once a process: a curve with graphs off is another process's
+            "graphs": not os.environ.get("GGML_CUDA_DISABLE_GRAPHS")}
 
 
 def first_divergence(a, b):
@@ -256,7 +263,8 @@ def main(argv=None) -> None:
             for exact in ((False, True) if a.exact else (False,)):
                 res["curves"].append(c := curve(path, a.gpu_layers, a.k_max, a.threads, exact))
                 save()
-                print(f"{c['model']}{' (row limit on)' if exact else ''}: one-token decode "
+                print(f"{c['model']}{' (row limit on)' if exact else ''}"
+                      f"{'' if c['graphs'] else ' (CUDA graphs off)'}: one-token decode "
                       f"{c['ms_per_step']:.2f} ms; r(k) "
                       + " ".join(f"{r:.2f}" for r in c["ratios"]), file=sys.stderr)
                 print(f"  policy k at acceptance {ACCEPTANCE}: {c['policy_k']}", file=sys.stderr)

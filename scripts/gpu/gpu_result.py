@@ -60,7 +60,8 @@ def headline(step: str, data) -> str:
             over = headline("overhead", data.get("overhead") or {})
             return headline("curve", data) + (f"; overhead: {over}" if over else "")
         if step == "curve":
-            parts = [f"{c['model']}: {c['ms_per_step']} ms/step, r(k) "
+            parts = [f"{c['model']}{'' if c.get('graphs', True) else ' (graphs off)'}: "
+                     f"{c['ms_per_step']} ms/step, r(k) "
                      + " ".join(f"{r:.2f}" for r in c["ratios"]) for c in data.get("curves", [])]
             if data.get("draft"):
                 parts.append(f"draft {data['draft']['cost_in_target_steps']} target steps, "

@@ -14,7 +14,8 @@
 #   identity     90 s  identity.json    greedy speculative == plain (n-gram; scripted k=8)
 #   parallel     75 s  parallel.json    4 slots in one context (--parallel): each request's text
 #                                       against its lone run, tokens/s against one at a time
-#   curve        90 s  curve.json       r(k) for k = 0..16 and the policy's k (SmolLM2 shape)
+#   curve        90 s  curve.json       r(k) for k = 0..16 and the policy's k (SmolLM2 shape),
+#                                       and with CUDA graphs off (patch 0011's price)
 #   overhead     75 s  overhead.json    Python time per step around the device, one-pass/per-row
 #   bench       120 s  bench.json       the real SmolLM2-135M: plain, ngram, peer
 #   tests       300 s  tests.log        pytest -m device (tests/test_device.py)
@@ -219,7 +220,20 @@ step_curve() {
   [ ${#models[@]} -gt 0 ] || models+=("$(tiny_model)")
   "$VPY" scripts/gpu/gpu_measure.py --what curve --target "${models[0]}" --also "${models[@]:1}" \
     --gpu-layers "$(layers)" --k-max "${K_MAX:-16}" ${THREADS:+--threads "$THREADS"} \
-    --json "$OUT/curve.json"
+    --json "$OUT/curve.json" || return 1
+  graphs_off "${models[0]}" "$OUT/curve.json" --k-max "${K_MAX:-16}"
+}
+
+graphs_off() {   # graphs_off MODEL JSON [ARGS]: MODEL's curve with CUDA graphs off, added to JSON
+  # (patch 0011's price: every batch size replayed from its own graph, against direct launches)
+  local m=$1 json=$2; shift 2
+  GGML_CUDA_DISABLE_GRAPHS=1 "$VPY" scripts/gpu/gpu_measure.py --what curve --target "$m" \
+    --gpu-layers "$(layers)" ${THREADS:+--threads "$THREADS"} "$@" \
+    --json "$STATE/graphs-off.json" || return 1
+  "$VPY" -c 'import json, sys
+out, off = (json.load(open(p)) for p in sys.argv[1:3])
+out["curves"] += off["curves"]
+json.dump(out, open(sys.argv[1], "w"), indent=1)' "$json" "$STATE/graphs-off.json"
 }
 
 overhead() {   # overhead MODEL JSON
@@ -243,6 +257,7 @@ step_qwen() {      # the default model's shape and its draft's: made here (~1 mi
   "$VPY" scripts/gpu/gpu_measure.py --what curve,draft --target "$t" "${draft[@]}" \
     --gpu-layers "$(layers)" --k-max "${K_MAX:-16}" ${THREADS:+--threads "$THREADS"} \
     --json "$OUT/qwen.json" || return 1
+  graphs_off "$t" "$OUT/qwen.json" --k-max "${K_MAX:-16}" || return 1
   overhead "$t" "$STATE/qwen-overhead.json" || return 1
   "$VPY" -c 'import json, sys
 q, o = (json.load(open(p)) for p in sys.argv[1:3])
