@@ -286,6 +286,34 @@ def test_deep_drafts_wait_for_the_request_to_show_long_copied_runs():
     assert seen.longest == 5 and seen.streak == 0
 
 
+def test_a_run_that_has_copied_two_line_breaks_ramps_at_the_long_rate():
+    """long_lines: a run of right guesses holding two line breaks is a block of lines being
+    copied, and gets loss_budget_long before it is long_run tokens long; a miss ends the run
+    and its lines. Lines come from the proposal's token classes of the tokens that passed."""
+    nl, plain = acceptance.NEWLINE, acceptance.PLAIN
+    f = DraftFeatures(list(range(16)), "history", 8, n_occ=1, agree=[1] * 16,
+                      breaks=[plain, plain, nl, plain, nl] + [plain] * 11)
+    st = RequestState()
+    st.verified(f, 4, 4, [0] * 5)                   # tokens 0-3 passed: one line break
+    assert (st.streak, st.lines) == (4, 1)
+    st.verified(f, 0, 0, [0])                       # a plain step guessed right: token 0
+    assert (st.streak, st.lines) == (5, 1)
+    st.verified(f, 8, 5, [0] * 6)                   # 0-4 passed (two breaks), 5 missed
+    assert (st.streak, st.lines, st.longest) == (0, 0, 10)
+    st.verified(f, 8, 8, [0] * 9)
+    assert (st.streak, st.lines) == (8, 2)
+    # EPYC: r(8) = 5.9. At the 0.4 rate a streak of 8 may risk 1 + 0.4 x 9 = 4.6 plain steps
+    # (k <= 6); with two lines copied, the 1.0 rate: 1 + 9 = 10 (all 16 fit in r(16) = 8.41)
+    g = DraftFeatures(list(range(16)), "history", 8, n_occ=1, agree=[1] * 16)
+    picks = {}
+    for name, config in (("lines", PolicyConfig()), ("off", PolicyConfig(long_lines=0))):
+        policy = AdaptivePolicy(CostModel(EPYC, MS, CostConfig(online=False)), config)
+        policy.start()
+        policy.state = RequestState(streak=8, recent=0.99, longest=8, lines=2)
+        picks[name] = policy._depth(policy.cost.ratio_list())
+    assert picks == {"lines": 16, "off": 6}
+
+
 def test_cost_model_decays_observations_the_same_in_batches():
     """observe() defers the decay to the next solve; the weights must be those of decaying at
     every observation."""

@@ -23,7 +23,8 @@ def mode_settings(mode, engine) -> str:
     if p.fixed_k is not None:
         return f"{mode.proposer}, k = {p.fixed_k} every step"
     return (f"{mode.proposer}, adaptive k <= {p.k_max}: min_gain {p.min_gain:g}, loss budget "
-            f"{p.loss_budget:g} ({p.loss_budget_long:g} in runs of {p.long_run}+), probes "
+            f"{p.loss_budget:g} ({p.loss_budget_long:g} in runs of {p.long_run}+"
+            f"{f' or {p.long_lines}+ lines' if p.long_lines else ''}), probes "
             f"<= {100 * p.probe_share:g}% of decode time")
 
 

@@ -85,13 +85,15 @@ class RequestState:
     step) and by the offline fit (stepping through a plain output one token at a time).
 
     streak: output tokens the proposer had guessed right, in a row; longest: the longest such
-    streak so far; recent: decayed share of output tokens the proposer guessed right (an
+    streak so far; lines: the line breaks among the streak's tokens (known where the proposal
+    classes its tokens); recent: decayed share of output tokens the proposer guessed right (an
     accepted draft token counts as a right guess, the token after the last accepted one as a
     wrong one)."""
 
     streak: int = 0
     recent: float = field(default_factory=lambda: RECENT_PRIOR)
     longest: int = 0
+    lines: int = 0
 
     def verified(self, f: Optional[DraftFeatures], k: int, n_accepted: int,
                  emitted: Sequence[int]) -> None:
@@ -100,7 +102,7 @@ class RequestState:
         if not emitted:                  # a near-tie at row 0: nothing was decided
             return
         if f is None or not len(f.tokens):
-            self.streak = 0
+            self.streak = self.lines = 0
             return
         hits = n_accepted if k else int(f.tokens[0] == emitted[0])
         missed = (n_accepted < k) if k else not hits
@@ -110,6 +112,10 @@ class RequestState:
             self.recent *= RECENT_DECAY
         self.longest = max(self.longest, self.streak + hits)
         self.streak = 0 if missed else self.streak + hits
+        if missed:
+            self.lines = 0
+        elif hits and f.breaks is not None:
+            self.lines += sum(1 for b in f.breaks[:hits] if b == NEWLINE)
 
 
 # Feature vector of draft position i (the row the target checks it on is i rows past the last

@@ -210,12 +210,15 @@ class AdaptivePolicy:
         """How many drafts the loss budget lets this request risk: the k before the first whose
         r(k) - 1 plain steps lost (a draft missing at once) exceed `loss_budget` x (the longest
         run of right guesses the request has shown + 1); `loss_budget_long` instead while the
-        current run is at least `long_run` long (a copy in progress ramps up in fewer steps; a
-        summary whose quote ended is back on the slow ramp). On a GPU, r(k) ~ 1: never binding;
+        current run is at least `long_run` long or has copied `long_lines` line breaks (a copy
+        in progress ramps up in fewer steps; a summary whose quote ended is back on the slow
+        ramp). On a GPU, r(k) ~ 1: never binding;
         on a 2-core CPU, 15 drafts risk ~6 steps. Only these positions are predicted: on chat,
         2-5 of up to 16 (the Python per step that runs whether or not anything is drafted)."""
         c, run = self.config, max(self.state.longest, shown)
-        rate = c.loss_budget_long if max(self.state.streak, shown) >= c.long_run else c.loss_budget
+        copying = max(self.state.streak, shown) >= c.long_run or \
+            0 < c.long_lines <= self.state.lines
+        rate = c.loss_budget_long if copying else c.loss_budget
         budget = 1.0 + rate * (run + 1)
         n, d = min(c.k_max, len(r) - 1), 0
         while d < n and r[d + 1] <= budget:

@@ -52,6 +52,10 @@ class PolicyConfig:
     long_run: int = 16                # least long_run: a copy in progress ramps up to 32-64
                                       # drafts in fewer steps (llama.cpp's ngram-simple drafts
                                       # 48 after a 12-token match; docs/policy.md, issue 45)
+    long_lines: int = 2               # or holds this many line breaks (0: off): a block of
+                                      # lines copied whole, where a quote in prose ends at the
+                                      # line break (the Zen 4 curve's code edits: 1.047 -> 1.054
+                                      # of llama.cpp's best over 32 cases, prose unchanged)
     store_evidence: int = 2           # a draft-store offer whose first tokens followed this
                                       # context at least this often before counts them as a
                                       # run of right guesses the request has shown (the loss
