@@ -138,6 +138,25 @@ def random_models(smollm_path, tmp_path_factory):
                                        "kernel-models", wtype)
 
 
+def test_exact_on_cuda_names_f16_weights_as_the_unproven_type(random_models):
+    """--exact on CUDA says on stderr, after the load, that F16 weights' rows are unproven there
+    (the H200 proved every other type's); it reads the type from the GGUF llama.cpp loaded.
+    Nothing for other types, nor for F16 on Vulkan."""
+    from localspec.llama import Model
+    from localspec.llama.exact_rows import device_unproven_note
+
+    notes = {}
+    for wtype in ("f16", "q8_0", "bf16"):
+        with Model(random_models(wtype)) as m:
+            notes[wtype] = device_unproven_note(["CUDA"], m.meta("general.file_type"),
+                                                m.path.name)
+    assert "has F16 weights" in notes["f16"] and "pytest -m device" in notes["f16"]
+    assert len(notes["f16"].splitlines()) == 1
+    assert notes["q8_0"] == notes["bf16"] == ""
+    assert device_unproven_note(["Vulkan"], "1", "m.gguf") == ""
+    assert device_unproven_note(["CUDA"], None, "m.gguf") == ""
+
+
 @needs_exact_libs
 @pytest.mark.parametrize("model", ["tiny_path", "smollm_path", "q8_0", "q4_0", "f16", "q5_0",
                                    "bf16", "f32", "iq4_nl", "mxfp4", "q6_k", "q3_k_s", "q2_k"])

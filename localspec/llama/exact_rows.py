@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+from typing import Optional
 
 from ..errors import LocalspecError
 from . import backend as _b
@@ -122,7 +123,25 @@ DEVICE_PATCHES = {"Vulkan": "0009-vulkan-batch-invariant-rows",
                   "CUDA": "0010-cuda-batch-invariant-rows"}
 # Where each patched backend's rows were checked bit for bit (tests/test_device_exact.py); a
 # backend missing here compiles (scripts/ci/cuda_compile.sh) but has not been run on its hardware
-DEVICE_PROVEN = {"Vulkan": "Mesa's lavapipe, in CI's device lane"}
+DEVICE_PROVEN = {"Vulkan": "Mesa's lavapipe, in CI's device lane",
+                 "CUDA": "an NVIDIA H200, every weight type tried but F16"}
+# Weights whose rows a proven backend has not yet been checked with: the backend, the GGUF
+# general.file_type values that carry them (1 MOSTLY_F16, 4 MOSTLY_Q4_1_SOME_F16) and their name.
+# CUDA's F16 rows differed on the H200 before patch 0010 moved F16 onto BF16's float sums.
+DEVICE_UNPROVEN_TYPES = {"CUDA": ({1, 4}, "F16")}
+
+
+def device_unproven_note(backends: list, file_type: Optional[str], model_name: str) -> str:
+    """The stderr note for an --exact run whose model has weights the device's rows were not
+    yet checked with ('' when none): a model of F16 weights on CUDA."""
+    for name in backends:
+        types, label = DEVICE_UNPROVEN_TYPES.get(name, (set(), ""))
+        if file_type is not None and file_type.isdigit() and int(file_type) in types:
+            return (f"localspec: --exact on {name}: {model_name} has {label} weights, whose "
+                    f"batch-invariant rows compile but have not yet been checked on such a GPU "
+                    f"(the other weight types' have); `pytest -m device` checks them on yours "
+                    f"(docs/gpu.md)")
+    return ""
 DEVICE_EXACT_ROWS = 32               # as the CPU library's default; exact_for raises it past
 
 

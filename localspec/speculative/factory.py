@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..policy.acceptance import TokenClasses
-from ..llama.exact_rows import (DEVICE_PROVEN, device_exact_backends, device_exact_rows,
+from ..llama.exact_rows import (device_exact_backends, device_exact_rows, device_unproven_note,
                                 exact_rows_settable, set_device_exact_rows)
 from ..policy.config import K_LIMIT
 from ..catalog.models import resolve_model
@@ -90,9 +90,8 @@ def load_model(target: Union[str, os.PathLike], n_gpu_layers: int = 0,
             "--exact promises speculative output bit for bit plain decoding's, which RPC "
             "servers do not keep: their kernels are other builds' (docs/gpu.md). Drop --exact "
             "(and LOCALSPEC_EXACT), or drop --rpc.")
-    if exact and n_gpu_layers:
-        exact_on_device()
-    elif exact:
+    exact_backends = exact_on_device() if exact and n_gpu_layers else []
+    if exact and not n_gpu_layers:
         enable_exact_kernels()
     attach_rpc(rpc)
     model = Model(resolve_model(str(target)), ModelParams(n_gpu_layers=n_gpu_layers))
@@ -104,16 +103,19 @@ def load_model(target: Union[str, os.PathLike], n_gpu_layers: int = 0,
             f"invariant CPU library too, which this process did not load ({library_account()}):"
             f" put every layer on the GPU (--gpu-layers -1), or rerun ./install.sh without "
             f"LOCALSPEC_EXACT_LIBS=0.")
+    note = device_unproven_note(exact_backends, model.meta("general.file_type"), model.path.name)
+    if note:
+        print(note, file=sys.stderr)
     if rpc or n_gpu_layers:
         print(placement_line(model), file=sys.stderr)
     return model
 
 
-def exact_on_device() -> None:
+def exact_on_device() -> list:
     """--exact with layers on a GPU: the GPU backend must be localspec's patched build; its row
     limit is switched on for this process (batches of up to 31 rows then compute every row as a
     one-row batch does), else one error line. The batch-invariant CPU library is loaded too
-    where install.sh built it, for layers left on the CPU."""
+    where install.sh built it, for layers left on the CPU. Returns the patched backends."""
     prefer_exact_libraries()
     found = device_exact_backends()
     if not found:
@@ -126,11 +128,7 @@ def exact_on_device() -> None:
             f"Drop --exact (and LOCALSPEC_EXACT), keep every layer on this CPU (--gpu-layers 0),"
             f" or rebuild with ./install.sh (LOCALSPEC_BACKEND=vulkan or cuda).")
     set_device_exact_rows()
-    for name in found:
-        if name not in DEVICE_PROVEN:
-            print(f"localspec: --exact on {name}: localspec's batch-invariant rows for {name} "
-                  f"compile but have not yet been checked on such a GPU; `pytest -m device` "
-                  f"checks them on yours (docs/gpu.md)", file=sys.stderr)
+    return found
 
 
 def placement_line(model: Model) -> str:
