@@ -8,7 +8,9 @@
 # scripts/bench/bench_parallel.py (its tools/ tree too, no web UI, nothing downloaded; see
 # localspec/bench/llamacpp_build.py for the time it took).
 # Progress on stderr, the binary's path on stdout; a failure is one line naming the build log.
-# Usage: scripts/llamacpp_tools.sh [--target llama-speculative-simple|llama-server] [--path]
+# --linked builds the tool alone on shared libraries, run on the installed wheel's own (the GPU
+# recipe carries it to a GPU machine: docs/gpu-offline-recipe.md).
+# Usage: scripts/llamacpp_tools.sh [--target llama-speculative-simple|llama-server] [--path] [--linked]
 #        [-j JOBS]                              Env: PYTHON (default .venv/bin/python),
 #        LOCALSPEC_HOME, LOCALSPEC_LLAMA_SRC, LOCALSPEC_CMAKE_ARGS, CMAKE_ARGS (as install.sh)
 set -euo pipefail

@@ -154,6 +154,7 @@ case "$1" in
            {'echo "error: boom"; exit 2' if fail else ''}
            mkdir -p "$2/bin"
            for t in $(echo "$@" | sed 's/.*--target //'); do echo tool > "$2/bin/$t"; done
+           echo lib > "$2/bin/libllama-common.so.0.0.1"; ln -sf libllama-common.so.0.0.1 "$2/bin/libllama-common.so.0"
            echo "[100%] Built target llama-speculative-simple";;
 esac
 """)
@@ -196,6 +197,34 @@ def test_build_configures_with_the_wheels_flags_and_caches_the_binary(tmp_path, 
     (tmp_path / "cmake.args").unlink()
     assert llamacpp_build.build(said.append) == out          # cached: no cmake at all
     assert not (tmp_path / "cmake.args").exists()
+
+
+def test_the_linked_tool_builds_on_shared_libraries_and_runs_on_the_wheels(tmp_path, monkeypatch):
+    """--linked: no backend or CPU flags of the wheel's, shared libraries, its libllama-common
+    kept beside it (the file, not the link); the bench takes it where the flag set's own tool
+    is not built, and runs it with the installed wheel's library folder first."""
+    _fake_toolchain(tmp_path, monkeypatch)
+    out = llamacpp_build.build(lambda s: None, linked=True)
+    assert out == llamacpp_build.linked_dir() and out.name.endswith("-linked")
+    configure = (tmp_path / "cmake.args").read_text().splitlines()[0].split()
+    assert "-DBUILD_SHARED_LIBS=ON" in configure and "-DGGML_NATIVE=OFF" in configure
+    assert "-DBUILD_SHARED_LIBS=OFF" not in configure and "-DGGML_AVX2=ON" not in configure
+    lib = out / "libllama-common.so.0"
+    assert lib.is_file() and not lib.is_symlink() and lib.read_text() == "lib\n"
+    tool = llamacpp_build.require_tool()
+    assert tool == out / "llama-speculative-simple" and llamacpp_build.is_linked(tool)
+    from localspec.llama.libs import package_lib_dir
+    assert llamacpp_build.tool_env(tool)["LD_LIBRARY_PATH"].split(os.pathsep)[:2] == \
+        [str(package_lib_dir()), str(out)]
+    lib.unlink()                                       # a folder without it is not built
+    assert not llamacpp_build.built(out, llamacpp_build.TOOL)
+    assert llamacpp_build.build(lambda s: None, linked=True) == out and lib.is_file()  # again
+    with pytest.raises(LocalspecError, match="llama-speculative-simple alone when linked"):
+        llamacpp_build.build(lambda s: None, targets=(llamacpp_build.SERVER,), linked=True)
+    built_static = llamacpp_build.build(lambda s: None)          # its own flag set's tool wins
+    static = llamacpp_build.require_tool()
+    assert static == built_static / "llama-speculative-simple" and not llamacpp_build.is_linked(static)
+    assert llamacpp_build.tool_env(static).get("LD_LIBRARY_PATH") == os.environ.get("LD_LIBRARY_PATH")
 
 
 def test_a_tool_built_before_the_log_edit_is_rebuilt(tmp_path, monkeypatch):
@@ -308,6 +337,29 @@ def test_llamacpp_modes_cap_exactly_and_match_their_plain(built, tiny_path, work
         assert by[c.id, "llamacpp-plain"].identical, c.id   # same text as localspec's plain
     assert by["edit-textwrap", "llamacpp-plain"].stats["drafted"] == 0
     assert versus_llamacpp(rows)
+
+
+def test_the_linked_tool_on_the_wheels_libraries_writes_what_the_static_tool_does(
+        built, tiny_path, tiny_model, _test_home, monkeypatch):
+    """The tool the GPU recipe carries (built with --linked, run on the installed wheel's
+    libllama and libggml) gives the same tokens, step for step, as the flag set's own static
+    build on the tiny model. Runs where the linked tool is built (scripts/llamacpp_tools.sh
+    --linked: ~4 min on 2 cores, which CI does not spend)."""
+    linked = (_test_home / "llamacpp-bin").resolve() / llamacpp_build.linked_dir().name
+    if not llamacpp_build.built(linked, llamacpp_build.TOOL):
+        pytest.skip("no linked llama.cpp tool here (scripts/llamacpp_tools.sh --linked)")
+    prompt = tiny_model.apply_chat_template(
+        Case("c", "chat", "abc abc abc abc abc", None, 24).messages(), add_assistant=True)
+    runs = {}
+    for name, path in (("static", built / llamacpp_build.TOOL), ("linked", linked / llamacpp_build.TOOL)):
+        monkeypatch.setattr(llamacpp, "require_tool", lambda p=path: p)
+        tool = llamacpp.LlamaCppTool("llamacpp-simple", tiny_path, 512, 1, 0)
+        out = tool.run(prompt, SamplingParams(), 24)
+        runs[name] = (out.generated_tokens, tool.last_run.pieces and
+                      [p for p, _ in tool.last_run.pieces], tool.last_run.steps)
+        assert (name == "linked") == ("LD_LIBRARY_PATH" in tool.env and
+                                      str(linked) in tool.env["LD_LIBRARY_PATH"])
+    assert runs["linked"] == runs["static"] and runs["static"][0] == 24
 
 
 # -- llama.cpp's drafters in the offline replay (tools/llamacpp_replay.py) -------------------------

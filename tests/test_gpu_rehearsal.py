@@ -78,7 +78,8 @@ def test_the_recipe_runs_every_step_offline_in_two_calls(rehearsal):
     assert "GPU devices: 0" in setup and "localspec C module: ok" in setup
     # Call 2 runs what is left, and only that; the steps that cannot run here say why, in their
     # result files.
-    assert {f.name for f in two.iterdir()} == {"run.log", "bench.json", "tests.log", "qwen.json"}
+    assert {f.name for f in two.iterdir()} == {"run.log", "bench.json", "tests.log",
+                                               "llamacpp.json", "qwen.json"}
     assert "skipped: no GPU" in (two / "tests.log").read_text()
     assert load(two, "qwen.json")["status"].startswith("skipped: the bundle holds no Qwen specs")
     assert load(one, "exact.json")["status"].startswith(      # a CPU build: nothing to switch on
@@ -124,11 +125,20 @@ def test_identity_curve_overhead_and_bench_say_what_ran(rehearsal):
     bench = load(out / "out2", "bench.json")
     assert bench["status"].startswith("ok"), bench.get("log_tail")
     assert {r["mode"] for r in bench["rows"]} == {"plain", "ngram", "peer"}
+    # llama.cpp's own speculation beside localspec's, the bundle's linked tool running on the
+    # installed wheel's libraries (carried where it was built: llamacpp_build --linked)
+    cpp = load(out / "out2", "llamacpp.json")
+    if cpp["status"].startswith("skipped"):
+        assert cpp["status"].startswith("skipped: the bundle holds no llama.cpp tool"), cpp
+    else:
+        assert cpp["status"].startswith("ok"), cpp.get("log_tail")
+        assert {r["mode"] for r in cpp["rows"]} == {"plain", "ngram", "llamacpp-plain",
+                                                    "llamacpp-mod", "llamacpp-simple"}
     log = (out / "out2" / "run.log").read_text()
     par = load(out / "out1", "parallel.json")
     assert par["status"].startswith("ok"), par.get("log_tail")
     p = par["parallel"]
     assert p["identical"] == p["prompts"] == 2 and not p["errors"]    # the CPU: exact
     for step in ("setup", "exact", "diagnose", "identity", "parallel", "curve", "overhead",
-                 "bench", "tests", "qwen"):
+                 "bench", "tests", "llamacpp", "qwen"):
         assert f" {step}: " in log         # one status line per step, across both calls

@@ -133,6 +133,16 @@ def test_gpu_result_headline_of_the_exact_step():
     assert "r(1, 2, 4, 8, 16) limit off: 1.10 1.20 1.40" in line and "limit on: 1.20" in line
 
 
+def test_gpu_result_headline_of_the_llamacpp_step_from_a_real_bench_file():
+    """The llamacpp step's line: each mode's speed and identity, and localspec over llama.cpp's
+    best, from a bench JSON the CPU run of issue 63 wrote."""
+    import gzip
+    path = SCRIPTS.parent / "data/results/bench-llamacpp-zen4-72-calibrated.json.gz"
+    line = load("gpu_result").headline("llamacpp", json.load(gzip.open(path)))
+    assert "ngram" in line and "2.223x plain, 8/8 identical" in line
+    assert "llamacpp-simple" in line and "ngram over llama.cpp's best 1.084" in line
+
+
 def test_tiled_crossover_times_both_settings_in_their_own_processes(tiny_path, capsys):
     tc = load("tiled_crossover")
     tc.main(["--model", str(tiny_path), "--threads", "1", "--pairs", "1", "--reps", "1",

@@ -31,7 +31,7 @@ from typing import Optional
 from ..errors import LocalspecError
 from ..speculative.sampling import SamplingParams
 from ..speculative.stats import GenerationStats
-from .llamacpp_build import TOOL, require_tool
+from .llamacpp_build import TOOL, require_tool, tool_env
 from .timing import Outcome
 
 MODES = {
@@ -76,7 +76,8 @@ def command(tool: Path, mode: str, model: Path, prompt_file: Path, max_tokens: i
     spec_type, spec_args = MODES[mode]
     return [str(tool), "-m", str(model), "-f", str(prompt_file), "-n", str(max_tokens),
             "-c", str(n_ctx), "-b", str(n_ctx), "-ub", "512", "-fa", "off",
-            "-t", str(n_threads), "-tb", str(n_threads), "-ngl", str(n_gpu_layers),
+            "-t", str(n_threads), "-tb", str(n_threads),
+            "-ngl", "all" if n_gpu_layers < 0 else str(n_gpu_layers),   # its -1 is "auto"
             "--temp", repr(max(0.0, sampling.temperature)), "--top-k", str(sampling.top_k),
             "--top-p", repr(sampling.top_p), "--min-p", repr(sampling.min_p),
             "--repeat-penalty", repr(sampling.repeat_penalty),
@@ -170,6 +171,7 @@ class LlamaCppTool:
         self.mode, self.model_path = mode, model_path
         self.n_ctx, self.n_threads, self.n_gpu_layers = n_ctx, n_threads, n_gpu_layers
         self.tool = require_tool()
+        self.env = tool_env(self.tool)
         self.last_command: list = []
         self.last_run: Optional[Run] = None
 
@@ -192,7 +194,7 @@ class LlamaCppTool:
             self.last_command = cmd
             with open(log_file, "wb") as out:        # a file, not a pipe: the tool never waits
                 r = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE,
-                                   stdin=subprocess.DEVNULL)
+                                   stdin=subprocess.DEVNULL, env=self.env)
             text = log_file.read_text(encoding="utf-8", errors="replace")
         if r.returncode != 0:       # its log is lost when it crashes (it does on a bad model)
             tail = [ln for ln in (r.stderr.decode(errors="replace") + text).splitlines()

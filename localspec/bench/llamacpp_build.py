@@ -9,6 +9,13 @@ statically, with nothing downloaded (no curl, no OpenSSL, no web UI assets for t
     python -m localspec.bench.llamacpp_build                        # or scripts/llamacpp_tools.sh
     python -m localspec.bench.llamacpp_build --target llama-server  # the HTTP server too
     python -m localspec.bench.llamacpp_build --path [--target T]    # where it is (built or not)
+    python -m localspec.bench.llamacpp_build --linked               # the tool on the wheel's libs
+
+`--linked` builds the tool alone against shared llama.cpp libraries, with no backend and no
+CPU-specific flags, into llama-cpp-python-VERSION-linked/: it runs on the installed wheel's own
+libllama and libggml (LD_LIBRARY_PATH), so on a GPU machine it computes with the very CUDA or
+Vulkan library localspec runs on, with no second GPU build (a CUDA one takes minutes), and it
+can be built on another machine of the same platform and carried there (the GPU recipe does).
 """
 
 from __future__ import annotations
@@ -66,6 +73,13 @@ DRAIN_FILE = "examples/speculative-simple/speculative-simple.cpp"
 DRAIN_STAMP = "edit: the tool drains its log before it returns"
 # Measured: the server 15.6 CPU-minutes (25.5 min wall, 2 jobs, niced, on a loaded 2-vCPU Xeon).
 BUILD_MINUTES = {TOOL: "9 CPU-minutes", SERVER: "16 CPU-minutes"}
+# The linked tool: shared libraries (only their sonames matter: the wheel's own are loaded at run
+# time), no backend, no -march (the binary travels), no run path (LD_LIBRARY_PATH decides).
+LINKED_ARGS = ("-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF", "-DCMAKE_SKIP_RPATH=ON")
+LINKED_STAMP = "linked: runs on the installed wheel's libllama and libggml"
+# What the linked tool needs that no wheel has: llama.cpp's common code, a shared library of its
+# own in a shared build (its soname: one number after .so), kept beside the tool.
+LINKED_OWN_LIB = re.compile(r"^libllama-common\.so\.\d+$")
 
 Say = Callable[[str], None]
 
@@ -102,8 +116,34 @@ def bin_dir(ver: Optional[str] = None, args: Optional[list] = None) -> Path:
     return localspec_home() / "llamacpp-bin" / f"llama-cpp-python-{ver}-{flag_key(ver, args)}"
 
 
+def linked_dir(ver: Optional[str] = None) -> Path:
+    return localspec_home() / "llamacpp-bin" / f"llama-cpp-python-{ver or version()}-linked"
+
+
 def tool_path(name: str = TOOL) -> Path:
     return bin_dir() / name
+
+
+def is_linked(tool: Path) -> bool:
+    """Whether `tool` is the linked build, which needs the wheel's libraries at run time."""
+    stamp = tool.parent / "BUILD"
+    return stamp.is_file() and LINKED_STAMP in stamp.read_text()
+
+
+def tool_env(tool: Path) -> dict:
+    """The environment to run `tool` in: the linked build finds the installed wheel's libllama
+    and libggml first, then its own libllama-common beside it (its run path is empty)."""
+    env = dict(os.environ)
+    if is_linked(tool):
+        from ..llama.libs import package_lib_dir
+        lib = package_lib_dir()
+        if lib is None:
+            raise LocalspecError("llama-cpp-python is not installed here; run ./install.sh "
+                                 "first.")
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            [str(lib), str(tool.parent)] +
+            [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+    return env
 
 
 def build_command(name: str = TOOL) -> str:
@@ -111,8 +151,11 @@ def build_command(name: str = TOOL) -> str:
 
 
 def require_tool(name: str = TOOL) -> Path:
-    """The built binary, or a one-line error saying how to build it."""
+    """The built binary (this flag set's own, else the linked tool), or a one-line error saying
+    how to build it."""
     path = tool_path(name)
+    if not path.is_file() and name == TOOL and built(linked_dir(), TOOL):
+        return linked_dir() / TOOL
     if not path.is_file():
         raise LocalspecError(f"llama.cpp's {name} is not built for this flag set "
                              f"({path.parent.name}); build it once "
@@ -201,11 +244,16 @@ def drain_log_at_exit(tree: Path) -> None:
 
 
 def built(out: Path, target: str) -> bool:
-    """The target's binary is there, and the tool's was built with its edit."""
+    """The target's binary is there, and the tool's was built with its edit (and, linked, has
+    its libllama-common beside it)."""
     if not (out / target).is_file():
         return False
     stamp = out / "BUILD"
-    return target != TOOL or (stamp.is_file() and DRAIN_STAMP in stamp.read_text())
+    if target != TOOL:
+        return True
+    note = stamp.read_text() if stamp.is_file() else ""
+    return DRAIN_STAMP in note and (LINKED_STAMP not in note or
+                                    any(LINKED_OWN_LIB.match(p.name) for p in out.iterdir()))
 
 
 # -- the build -------------------------------------------------------------------------------------
@@ -246,15 +294,18 @@ def _lock(path: Path, say: Say):
 
 
 def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = None,
-          targets: tuple = TARGETS) -> Path:
+          targets: tuple = TARGETS, linked: bool = False) -> Path:
     """Build (or find built) the targets; their folder. Targets already there are kept, so
-    llama-server joins llama-speculative-simple in one folder. A failure is one LocalspecError
-    line naming the build log."""
+    llama-server joins llama-speculative-simple in one folder. `linked`: the tool alone, on
+    shared libraries (LINKED_ARGS, linked_dir). A failure is one LocalspecError line naming the
+    build log."""
     unknown = [t for t in targets if t not in (TOOL, SERVER)]
-    if unknown:
-        raise LocalspecError(f"unknown target {unknown[0]!r}; known: {TOOL}, {SERVER}.")
-    ver, args = version(), cmake_args()
-    out = bin_dir(ver, args)
+    if unknown or (linked and tuple(targets) != (TOOL,)):
+        raise LocalspecError(f"unknown target {(unknown or targets)[0]!r}; known: {TOOL}, "
+                             f"{SERVER} ({TOOL} alone when linked).")
+    ver = version()
+    args = list(LINKED_ARGS) if linked else cmake_args()
+    out = linked_dir(ver) if linked else bin_dir(ver, args)
     if all(built(out, t) for t in targets):
         return out
     missing = [t for t in ("cmake", "c++") if not shutil.which(t)]
@@ -270,12 +321,15 @@ def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = 
         # One log per target set: building the server later keeps the tool's log.
         tag = "" if todo == (TOOL,) else "." + "+".join(todo)
         log_path = out.parent / f"{out.name}{tag}.build.log"
-        fixed = fixed_args(todo)
+        fixed = [a for a in fixed_args(todo) if not (linked and a.startswith(
+            "-DBUILD_SHARED_LIBS="))]
         keep = tuple(d for t in todo for d in NEEDS_DIRS.get(t, ()))
         cost = " + ".join(BUILD_MINUTES.get(t, "minutes") for t in todo)
         t0 = time.monotonic()
+        how = "linked to the installed wheel's libraries" if linked else \
+            "with install.sh's flags"
         say(f"building llama.cpp's {', '.join(todo)} from llama-cpp-python {ver}'s vendored "
-            f"source with install.sh's flags ({jobs} jobs; {cost}; log: {log_path})")
+            f"source {how} ({jobs} jobs; {cost}; log: {log_path})")
         with tempfile.TemporaryDirectory(prefix="llamacpp-build-") as work, \
                 open(log_path, "w") as log:
             work = Path(work)
@@ -302,11 +356,20 @@ def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = 
             tmp.mkdir()
             for t, path in found.items():
                 shutil.copy2(path, tmp / t)
+            if linked:
+                own = [p for p in (work / "build").rglob("lib*.so.*")
+                       if LINKED_OWN_LIB.match(p.name)]
+                if not own:
+                    raise LocalspecError(f"the linked build made no libllama-common; log: "
+                                         f"{log_path}")
+                for lib in own:
+                    shutil.copy2(lib, tmp / lib.name)        # the file, not the link
             note = (f"llama-cpp-python {ver}: {', '.join(todo)}\n{' '.join(fixed)}\n"
-                    f"{' '.join(args)}\n" + (f"{TOOL} {DRAIN_STAMP}\n" if TOOL in todo else ""))
+                    f"{' '.join(args)}\n" + (f"{TOOL} {DRAIN_STAMP}\n" if TOOL in todo else "")
+                    + (f"{LINKED_STAMP}\n" if linked else ""))
             if out.is_dir():
-                for t in todo:
-                    os.replace(tmp / t, out / t)
+                for f in tmp.iterdir():        # the targets (and the linked tool's library)
+                    os.replace(f, out / f.name)
                 with open(out / "BUILD", "a") as f:
                     f.write(note)
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -326,12 +389,16 @@ def main(argv: list) -> int:
                          "scripts/bench/bench_parallel.py)")
     ap.add_argument("--path", action="store_true", help="print where it is, built or not")
     ap.add_argument("-j", "--jobs", type=int, default=None, help="compile jobs (default: cores)")
+    ap.add_argument("--linked", action="store_true",
+                    help=f"{TOOL} on shared libraries, run on the installed wheel's own (no "
+                         "backend of its own: on a GPU build it computes with the wheel's GPU "
+                         "library; portable to another machine of this platform)")
     a = ap.parse_args(argv)
     try:
         if a.path:
-            print(tool_path(a.target))
+            print((linked_dir() if a.linked else bin_dir()) / a.target)
             return 0
-        print(build(jobs=a.jobs, targets=(a.target,)) / a.target)
+        print(build(jobs=a.jobs, targets=(a.target,), linked=a.linked) / a.target)
     except LocalspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -14,6 +14,11 @@
 #                first as large as call 1 allows: sized from this working tree as it is now
 #                (tracked + untracked-not-ignored files), with GPU_BUNDLE_MARGIN_MIB (2) to spare
 #   .gpu/image-packages.txt   NAME==VERSION of what the image must provide (the rehearsal's venv)
+#   .gpu2/llamacpp.tar.xz   llama.cpp's llama-speculative-simple and its libllama-common, built
+#                here linked to shared libraries (scripts/llamacpp_tools.sh --linked), for the bench's llamacpp-*
+#                modes there: it runs on the CUDA wheel's own libllama and libggml, so it needs
+#                no second CUDA build. Carried when built here already; GPU_BUNDLE_LLAMACPP=1
+#                builds it first if not (~9 CPU-minutes, once), =0 leaves it out
 # Rerun it right before the calls (seconds, all cached): the parts are re-cut if the tree grew.
 # Exit 75: no package index reachable (nothing here says anything about the code).
 # Usage: scripts/gpu/gpu_bundle.sh     Env: PYTHON (default .venv/bin/python), LOCALSPEC_HOME,
@@ -142,6 +147,21 @@ for name in ${GPU_BUNDLE_SPECS:-qwen2.5-coder-1.5b qwen2.5-coder-0.5b smollm2-13
     *) say "error: no catalog model for the spec $name"; exit 1;;
   esac
 done
+
+# 3b. llama.cpp's tool, linked to the wheel's libraries (built here once: ~9 CPU-minutes)
+rm -rf "$G2/llamacpp.tar.xz" "$G/llamacpp.sha256"
+tools() { LOCALSPEC_HOME=$HOME_DIR PYTHON=$PY bash scripts/llamacpp_tools.sh --linked "$@"; }
+LT=$(tools --path)
+case ${GPU_BUNDLE_LLAMACPP:-auto} in
+  1) LT=$(tools) || exit 1;;
+  0) LT="";;
+  *) [ -f "$LT" ] || { say "no linked llama.cpp tool here: the llamacpp step will skip" \
+                          "(GPU_BUNDLE_LLAMACPP=1 builds it)"; LT=""; };;
+esac
+if [ -n "$LT" ]; then       # the folder's files: the tool, its libllama-common, BUILD
+  tar -C "$(dirname "$LT")" -cf - . | xz -9 -T0 > "$G2/llamacpp.tar.xz"
+  sha256sum "$G2/llamacpp.tar.xz" | cut -d' ' -f1 > "$G/llamacpp.sha256"   # call 1 knows
+fi
 
 # 4. The real SmolLM2-135M in two parts, the first as large as call 1 allows with this tree.
 fbytes() { find "$@" -type f -printf '%s\n' 2>/dev/null | awk '{s += $1} END {print s + 0}'; }

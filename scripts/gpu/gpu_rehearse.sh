@@ -89,6 +89,8 @@ call() {
      RUN_BUDGET_S=${REHEARSAL_BUDGET_S:-420} DIAG_CASE_TIMEOUT=60 TOKENS=6 IDENTITY_PROMPTS=2 PARALLEL_TOKENS=8 \
      K_MAX=4 KS=0,2 OVERHEAD_TOKENS=4 THREADS=1 \
      BENCH_ARGS="--cases chat-haiku -n 8 --no-warmup --threads 1 --ctx 1024" BENCH_TIMEOUT=300 \
+     LLAMACPP_ARGS="--cases edit-c2py-docstring -n 8 --no-warmup --threads 1 --ctx 1024" \
+     LLAMACPP_TIMEOUT=300 \
      bash scripts/gpu/gpu_run.sh) > "$DIR/call$n.log" 2>&1
 }
 call 1; rc1=$?

@@ -75,6 +75,10 @@ def headline(step: str, data) -> str:
                 "" if s["mode"] == "plain" else f", {s['geomean_ratio']}x plain, "
                 f"{s['identical']}/{s['compared']} identical")
                 for s in data.get("summary", []) if s.get("kind") == "all")
+        if step == "llamacpp":
+            over = "; ".join(f"{v['mode']} over llama.cpp's best {v['vs_best']}"
+                             for v in data.get("versus_llamacpp", []) if v.get("kind") == "all")
+            return "; ".join(p for p in (headline("bench", data), over) if p)
     except (KeyError, TypeError, AttributeError) as e:
         return f"(result unreadable: {e!r})"
     return ""

@@ -19,6 +19,10 @@
 #   overhead     75 s  overhead.json    Python time per step around the device, one-pass/per-row
 #   bench       120 s  bench.json       the real SmolLM2-135M: plain, ngram, peer
 #   tests       300 s  tests.log        pytest -m device (tests/test_device.py)
+#   llamacpp    200 s  llamacpp.json    the real SmolLM2-135M, 8 code edits: localspec plain and
+#                                       ngram (--exact on a GPU) against llama.cpp's own
+#                                       speculation (llamacpp-plain, -mod, -simple), the bundle's
+#                                       linked tool running on this machine's CUDA wheel
 #   qwen        240 s  qwen.json        the Qwen2.5-Coder 1.5B/0.5B shapes (when their specs
 #                                       came): r(k), the draft's cost, the per-step overhead
 #
@@ -26,7 +30,7 @@
 # call (a step that waits for a later call writes none).
 # Steps done in an earlier call on the same machine are not run again (.gpu-state/), so the same
 # command is made twice: call 1 carries .gpu (setup ... overhead), call 2 .gpu2 (SmolLM2's
-# second part: bench, tests, qwen, and whatever call 1 did not finish). A step that waits for a
+# second part: bench, tests, llamacpp, qwen, and whatever call 1 did not finish). A step that waits for a
 # later call holds back the steps after it: they are worth less. The whole run keeps within
 # RUN_BUDGET_S (560) seconds: a step gets what is left when less than its own timeout is.
 # On a machine without a GPU (LOCALSPEC_BACKEND=cpu: the rehearsal, tests/test_gpu_rehearsal.py)
@@ -39,7 +43,7 @@
 #      IDENTITY_WHAT (identity; rows,identity: also each batch row against one-token decodes),
 #      EXACT_WHAT (rows,identity,curve), EXACT_CONTEXTS (40,1500), EXACT_KS (1,4,16),
 #      PARALLEL_TOKENS (64), K_MAX (16), KS (0,4,8,16), OVERHEAD_TOKENS (64),
-#      BENCH_ARGS ("-n 64"), TESTS_ARGS, THREADS (identity, curve, overhead; default: all cores),
+#      BENCH_ARGS ("-n 64"), LLAMACPP_ARGS ("-n 256"), TESTS_ARGS, THREADS (identity, curve, overhead; default: all cores),
 #      GPU_LEAN_BUILD=1 (no flash-attention kernels: a shorter CUDA build)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -273,6 +277,25 @@ step_bench() {
     ${BENCH_ARGS:--n 64} --json "$OUT/bench.json"
 }
 
+step_llamacpp() {
+  [ -f .gpu/llamacpp.sha256 ] || { echo "skipped: the bundle holds no llama.cpp tool"; return 4; }
+  join_smollm2 || { echo "skipped: no SmolLM2-135M yet (.gpu2/smollm2.part2 comes with call 2)"; return 3; }
+  [ -f .gpu2/llamacpp.tar.xz ] || \
+    { echo "skipped: the llama.cpp tool comes with call 2 (.gpu2/llamacpp.tar.xz)"; return 3; }
+  [ "$(sha256sum .gpu2/llamacpp.tar.xz | cut -d' ' -f1)" = "$(cat .gpu/llamacpp.sha256)" ] \
+    || { echo "the llama.cpp tool's archive is not the bundle's (sha256)"; return 1; }
+  local dir    # where the bench looks for the linked tool (llamacpp_build.linked_dir)
+  dir=$(PYTHON=$VPY bash scripts/llamacpp_tools.sh --linked --path) || return 1
+  dir=$(dirname "$dir")
+  rm -rf "$dir" && mkdir -p "$dir" && xz -dc .gpu2/llamacpp.tar.xz | tar -C "$dir" -xf - || return 1
+  local exact=()
+  have_gpu && exact=(--exact)       # the CPU rehearsal installs no batch-invariant CPU copy
+  # shellcheck disable=SC2086  # LLAMACPP_ARGS: a list of options
+  "$VPY" -m localspec bench -m "$SMOL" --kinds code-edit --lockstep "${exact[@]}" \
+    --modes plain,ngram,llamacpp-plain,llamacpp-mod,llamacpp-simple --gpu-layers "$(layers)" \
+    ${LLAMACPP_ARGS:--n 256} --json "$OUT/llamacpp.json"
+}
+
 step_tests() {
   have_gpu || { echo "skipped: no GPU (this build sees no GPU device)" | tee "$OUT/tests.log"; return 4; }
   join_smollm2 || { echo "skipped: no SmolLM2-135M yet (.gpu2/smollm2.part2 comes with call 2)"; return 3; }
@@ -280,13 +303,14 @@ step_tests() {
   "$VPY" -m pytest -q -p no:cacheprovider -m device tests/ ${TESTS_ARGS:-} > "$OUT/tests.log" 2>&1
 }
 
-STEPS=(setup exact diagnose identity parallel curve overhead bench tests qwen)
+STEPS=(setup exact diagnose identity parallel curve overhead bench tests llamacpp qwen)
 declare -A CAP=([setup]=480 [exact]=240 [diagnose]=150 [identity]=90 [parallel]=75 [curve]=90
-                [overhead]=75 [bench]=120 [tests]=300 [qwen]=240)
+                [overhead]=75 [bench]=120 [tests]=300 [llamacpp]=200 [qwen]=240)
 declare -A RESULT=([setup]=setup.log [exact]=exact.json [diagnose]=diagnose.json
                    [identity]=identity.json
                    [parallel]=parallel.json [curve]=curve.json [overhead]=overhead.json
-                   [bench]=bench.json [tests]=tests.log [qwen]=qwen.json)
+                   [bench]=bench.json [tests]=tests.log [llamacpp]=llamacpp.json
+                   [qwen]=qwen.json)
 
 if [ "${1:-}" = --one ]; then      # a child: one step, its output in the step's log
   mkdir -p "$MODELS"
