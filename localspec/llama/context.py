@@ -73,6 +73,7 @@ def create_context(model: Model, params: ContextParams, n_ctx: int, n_seq: int =
     cp.flash_attn_type = (_b.C.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
                           else _b.C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     cp.no_perf = True
+    cp.n_outputs_max_per_seq = 0    # a backend sampler (device_argmax) serves every row of a batch
     with native.phase(f"in llama.cpp while creating a context of {n_ctx} tokens "
                       f"for {model.path.name} on {model.device} {model.crash_hint}"):
         ctx = _b.C.llama_init_from_model(model.handle(), cp)
@@ -129,6 +130,9 @@ class Handle:
                           f"{self.model.crash_hint}"):
             _b.C.llama_batch_free(self._batch)
             _b.C.llama_free(ctx)
+            chain, self._argmax = getattr(self, "_argmax", None), None
+            if chain is not None:                 # its context no longer refers to it
+                _b.C.llama_sampler_free(chain)
         _b.drain_log()
 
 
@@ -143,6 +147,7 @@ class Context(Handle):
     """
 
     seq = 0               # the llama.cpp sequence this object's rows belong to
+    _argmax = None        # the device argmax's sampler chain, while it is on
 
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
         self._open(model, params, params.n_ctx)
@@ -152,6 +157,41 @@ class Context(Handle):
             self._batch.seq_id[i][0] = 0
         self.tokens: list = []
         self._clean = (0, 0)      # rows computed in whole on-grid chunks from 0, and that grid
+        self._argmax = None       # the greedy sampler chain llama.cpp runs on seq 0's rows
+
+    # -- the argmax on the device --------------------------------------------------------------
+    def device_argmax(self, on: bool) -> bool:
+        """Attach (or detach) a greedy sampler to this sequence, which llama.cpp then runs after
+        the output layer: a decode hands back each row's argmax token, not its [n_vocab] logits
+        (on a GPU the rows' copy and the host's argmax were most of a step's host work, and
+        nothing else is copied). While it is on, verify_tokens() is the way to decode rows and
+        reading logits raises. Each change costs one graph reserve at the next decode (~3-6 ms
+        on a 2-core CPU). Returns whether it is on (False: llama.cpp could not offload it)."""
+        if on == (self._argmax is not None):
+            return on
+        ctx = self._live()
+        if on:
+            chain = _b.C.llama_sampler_chain_init(_b.C.llama_sampler_chain_default_params())
+            _b.C.llama_sampler_chain_add(chain, _b.C.llama_sampler_init_greedy())
+            if _b.C.llama_set_sampler(ctx, self.seq, chain):
+                self._argmax = chain
+            else:
+                _b.C.llama_set_sampler(ctx, self.seq, None)
+                _b.C.llama_sampler_free(chain)
+        else:
+            chain, self._argmax = self._argmax, None
+            _b.C.llama_set_sampler(ctx, self.seq, None)
+            _b.C.llama_sampler_free(chain)      # a chain is attached once (backend_init)
+        _b.drain_log()
+        return self._argmax is not None
+
+    def verify_tokens(self, tokens: Sequence[int]) -> list:
+        """A verify batch with the argmax on the device: every row's greedy token."""
+        if self._argmax is None:
+            raise RuntimeError("verify_tokens() needs device_argmax(True)")
+        self.decode(tokens, logits="all", read=False)
+        ctx = self._live()
+        return [int(_b.C.llama_get_sampled_token_ith(ctx, i)) for i in range(len(tokens))]
 
     def hold(self):
         """Marks a generation running (a slot of a shared context, slots.py); nothing here."""
@@ -200,12 +240,14 @@ class Context(Handle):
                 f"{self.model.path.name} on {self.model.device} {self.model.crash_hint}")
         return phase
 
-    def decode(self, tokens: Sequence[int], logits: str | Sequence[int] = "last") -> np.ndarray:
+    def decode(self, tokens: Sequence[int], logits: str | Sequence[int] = "last",
+               read: bool = True) -> np.ndarray:
         """Append `tokens` at n_past and return logits for the chosen rows.
 
         logits: "last" (one row: prompt prefill), "all", "none", or row indices into `tokens`.
         Returns a float32 view [n_rows, n_vocab] into llama.cpp's buffer, valid until the next
-        decode (copy it if you keep it). Long inputs are split into n_batch chunks.
+        decode (copy it if you keep it); read=False returns None (verify_tokens reads the
+        device's argmax instead). Long inputs are split into n_batch chunks.
         """
         n = len(tokens)
         if n == 0:
@@ -232,6 +274,8 @@ class Context(Handle):
                 self._drop_failed_chunk()
                 raise LocalspecError(f"llama.cpp decode failed (code {rc}); the context may be full.")
             self.tokens.extend(int(t) for t in tokens[chunk])
+        if not read:
+            return None
         if n_rows == 0:
             return np.empty((0, self.model.n_vocab), dtype=np.float32)
         return self._logits(ctx, n_rows)
@@ -255,7 +299,10 @@ class Context(Handle):
         return rc
 
     def _logits(self, ctx, n_rows: int) -> np.ndarray:
-        """The last decode's logits rows, a view into llama.cpp's buffer."""
+        """The last decode's logits rows, a view into llama.cpp's buffer (none were copied while
+        the device's argmax is on: asking is a bug, not stale rows)."""
+        if getattr(self, "_argmax", None) is not None:
+            raise RuntimeError("logits rows asked for while the argmax runs on the device")
         ptr = _b.C.llama_get_logits(ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
 

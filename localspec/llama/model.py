@@ -139,6 +139,12 @@ class Model:
     def closed(self) -> bool:
         return self._model is None
 
+    @property
+    def output_on_device(self) -> bool:
+        """Whether the output layer was offloaded (llama.cpp offloads it past n_layer layers):
+        a decode's logits are then made on a GPU (or an RPC server)."""
+        return self.n_gpu_layers < 0 or self.n_gpu_layers > self.n_layer
+
     def handle(self):
         """The llama_model pointer, for a Context being made over it; raises once closed."""
         if self._model is None:

@@ -294,6 +294,10 @@ class SeqContext(Context):
     engine, the step, the prompt cache and calibration run on it unchanged. Its decodes go
     through the shared ticks; every other llama.cpp call holds the shared lock."""
 
+    def device_argmax(self, on: bool) -> bool:
+        """Never on a slot: a shared tick decodes every sequence's rows together."""
+        return False
+
     def __init__(self, shared: SharedContext, seq: int):        # noqa: no Context.__init__:
         self.shared, self.seq = shared, seq                     # the llama_context is shared
         self.model, self.params = shared.model, shared.params

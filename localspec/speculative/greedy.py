@@ -48,6 +48,16 @@ def penalize_row(row: np.ndarray, window: Sequence[int], penalty: float) -> None
     row[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
 
 
+def argmax_verify(targets: Sequence[int], drafts: Sequence[int]) -> RowsVerdict:
+    """Verify point-mass `drafts` against each row's greedy token, as the device computed them
+    (Context.device_argmax): what greedy_verify decides with no penalty and no margin.
+    Example: drafts [5, 9, 4], targets [5, 9, 7, 2] -> n_accepted 2, token 7."""
+    n = 0
+    while n < len(drafts) and targets[n] == drafts[n]:
+        n += 1
+    return RowsVerdict(n, int(targets[n]), None)
+
+
 def greedy_verify(rows: np.ndarray, drafts: Sequence[int], sampling: SamplingParams,
                   recent: Sequence[int], margin: float) -> RowsVerdict:
     """Verify point-mass `drafts` against greedy rows [k + 1, n_vocab] float32.

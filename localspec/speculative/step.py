@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .greedy import RowsVerdict, greedy_verify
+from .greedy import RowsVerdict, argmax_verify, greedy_verify
 from .sampling import PositionStream, SamplingParams, target_dist, top2_gap
 from .verify import verify
 
@@ -44,11 +44,18 @@ def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
     tie_margin > 0 (greedy only): a row whose top-2 logit gap is below it is not trusted.
     Greedy sampling with point-mass drafts takes greedy.greedy_verify's one pass over the rows
     (it penalises them in place); one_pass=False sends it through the per-row path too, the
-    same answer (the overhead bench's reference).
+    same answer (the overhead bench's reference). With the argmax on the device (the engine
+    switches it on for greedy requests with no penalty and no guard) only the rows' tokens
+    come back, and argmax_verify decides.
     """
     clock = time.perf_counter
     drafts, n_past, p_draft = list(proposal.tokens), ctx.n_past, proposal.p_draft
     decode_start = clock()
+    if getattr(ctx, "_argmax", None) is not None:
+        targets = ctx.verify_tokens([history[-1], *drafts])
+        decode_end = clock()
+        return _finish(ctx, argmax_verify(targets, drafts), drafts, n_past, decode_start,
+                       decode_end, clock)
     rows = ctx.verify_rows([history[-1], *drafts], survival)   # [k + 1, n_vocab] float32
     decode_end = clock()
     if len(rows) <= len(drafts):          # the tick kept fewer rows: fewer drafts to check
@@ -64,6 +71,12 @@ def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
         tie = near_tie(rows, verdict.n_accepted, sampling, recent, drafts, tie_margin) \
             if drafts else None
         decided = RowsVerdict(verdict.n_accepted, verdict.token, tie)
+    return _finish(ctx, decided, drafts, n_past, decode_start, decode_end, clock)
+
+
+def _finish(ctx, decided: RowsVerdict, drafts: list, n_past: int, decode_start: float,
+            decode_end: float, clock) -> StepResult:
+    """Emit what the rows decided and roll the cache back past the first rejection."""
     # after a near-tie only what the rows before it decided; a one-token decode decides it
     emitted, kept = decided.emitted(drafts), decided.kept
     # Keep [last] + the kept drafts; the last emitted token is not in the cache yet.

@@ -16,6 +16,8 @@ A scripted proposer makes every step draft exactly k tokens:
            [--gpu-layers -1]
     python scripts/bench/step_overhead.py --tiny ...   # the test suite's tiny model (sub-ms decode)
     ... --per-row         also the per-row path (step one_pass=False), interleaved case by case
+    ... --device-argmax   also the engine with each row's argmax made on the device
+                          (EngineConfig.device_argmax: only the tokens come back), interleaved
     ... --profile N       cProfile a k=N accept run of each step; top functions by own time
     ... --json out.json
     python scripts/bench/step_overhead.py --rows 151936 [--ks ...]   # verification alone, no model
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import functools
 import io
 import json
@@ -102,7 +105,7 @@ class DeviceClock:
     and sums the time spent inside them. On CUDA llama_decode may return before the GPU is done;
     llama_get_logits synchronizes, so the two together are the device's share."""
 
-    NAMES = ("llama_decode", "llama_get_logits")
+    NAMES = ("llama_decode", "llama_get_logits", "llama_get_sampled_token_ith")
 
     def __init__(self):
         self.seconds, self.calls, self._saved = 0.0, 0, {}
@@ -173,8 +176,12 @@ def timed_generation(engine, prompt, sampling, prof=None, **generate):
     return samples, gen
 
 
-def run_case(engine, prompt, reference, k, mode, sampling, per_row, profile):
-    """One generation at fixed k: its per-step samples (ms), identity and tokens per step."""
+def run_case(engine, prompt, reference, k, mode, sampling, per_row, profile, argmax=False):
+    """One generation at fixed k: its per-step samples (ms), identity and tokens per step.
+    argmax: the argmax on the device (EngineConfig.device_argmax, no near-tie guard)."""
+    config = engine.config
+    if argmax:
+        engine.config = dataclasses.replace(config, device_argmax=True, tie_margin=0.0)
     if k:
         engine.proposer = ScriptedProposer(reference, mode, engine.model.n_vocab)
     # Engine._step calls the module-level name `step`: the per-row path goes in there, for this
@@ -187,6 +194,7 @@ def run_case(engine, prompt, reference, k, mode, sampling, per_row, profile):
                                         policy=PolicyConfig(k_max=max(k, 1), fixed_k=k))
     finally:
         localspec.speculative.engine.step = STEP
+        engine.config = config
     return samples, gen.tokens == reference, prof
 
 
@@ -308,7 +316,8 @@ def measure(model: str, ks, n_tokens, gpu_layers, threads, penalty, steps, profi
                         for step in steps:
                             want = profile_k == k and mode == "accept" and step not in profiles
                             got, identical, prof = run_case(engine, prompt, ref, k, mode,
-                                                            sampling, step == "per-row", want)
+                                                            sampling, step == "per-row", want,
+                                                            step == "argmax")
                             samples[step] += got
                             same[step] &= identical
                             if prof:
@@ -349,6 +358,10 @@ def main() -> None:
     ap.add_argument("--per-row", action="store_true",
                     help="also the per-row step (one_pass=False), interleaved case by case with "
                          "the engine's")
+    ap.add_argument("--device-argmax", action="store_true",
+                    help="also the engine with the argmax on the device (llama.cpp's greedy "
+                         "backend sampler: each row's token comes back, not its logits; no "
+                         "near-tie guard), interleaved case by case with the engine's")
     ap.add_argument("--profile", type=int, default=None, metavar="K")
     ap.add_argument("--rows", type=int, metavar="N_VOCAB",
                     help="verification alone on random rows of this vocabulary size (no model)")
@@ -372,9 +385,10 @@ def main() -> None:
         if a.adaptive:
             rows, profiles = measure_adaptive(model, a.tokens, a.threads, a.reps), {}
         else:
+            steps = ("engine",) + (("per-row",) if a.per_row else ()) + \
+                (("argmax",) if a.device_argmax else ())
             rows, profiles = measure(model, ks, a.tokens, a.gpu_layers, a.threads,
-                                     a.repeat_penalty, ("engine", "per-row") if a.per_row
-                                     else ("engine",), a.profile, a.reps)
+                                     a.repeat_penalty, steps, a.profile, a.reps)
     label = (f"{'tiny model' if a.tiny else Path(a.model).name}, gpu_layers {a.gpu_layers}, "
              f"threads {a.threads or 'all'}, repeat_penalty {a.repeat_penalty}, {a.tokens} tokens"
              f" x {len(CHATS if a.adaptive else PROMPTS)} prompts x {a.reps}; load {load0[0]:.1f} -> "

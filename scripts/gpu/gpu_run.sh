@@ -242,7 +242,8 @@ json.dump(out, open(sys.argv[1], "w"), indent=1)' "$json" "$STATE/graphs-off.jso
 
 overhead() {   # overhead MODEL JSON
   "$VPY" scripts/bench/step_overhead.py "$1" --gpu-layers "$(layers)" --ks "${KS:-0,4,8,16}" \
-    --tokens "${OVERHEAD_TOKENS:-64}" --reps 1 --per-row --profile 8 ${THREADS:+--threads "$THREADS"} \
+    --tokens "${OVERHEAD_TOKENS:-64}" --reps 1 --per-row --device-argmax --profile 8 \
+    ${THREADS:+--threads "$THREADS"} \
     --json "$2"
 }
 
