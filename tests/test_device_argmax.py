@@ -75,7 +75,7 @@ def _texts(path, device_argmax, proposer, sampling, monkeypatch, calls):
                           tie_margin=0.0)
     with Engine(path, config) as e:
         out = [e.generate(p, sampling, max_tokens=40).complete_tokens() for p in PROMPTS]
-        assert e.ctx._argmax is None         # off after every request: the next prefill's row
+        assert not e.ctx.argmax_on           # off after every request: the next prefill's row
     return out
 
 

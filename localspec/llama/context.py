@@ -157,7 +157,6 @@ class Context(Handle):
             self._batch.seq_id[i][0] = 0
         self.tokens: list = []
         self._clean = (0, 0)      # rows computed in whole on-grid chunks from 0, and that grid
-        self._argmax = None       # the greedy sampler chain llama.cpp runs on seq 0's rows
 
     # -- the argmax on the device --------------------------------------------------------------
     def device_argmax(self, on: bool) -> bool:
@@ -183,6 +182,11 @@ class Context(Handle):
             _b.C.llama_set_sampler(ctx, self.seq, None)
             _b.C.llama_sampler_free(chain)      # a chain is attached once (backend_init)
         _b.drain_log()
+        return self._argmax is not None
+
+    @property
+    def argmax_on(self) -> bool:
+        """Whether decodes of this sequence hand back each row's argmax, not its logits."""
         return self._argmax is not None
 
     def verify_tokens(self, tokens: Sequence[int]) -> list:
@@ -301,7 +305,7 @@ class Context(Handle):
     def _logits(self, ctx, n_rows: int) -> np.ndarray:
         """The last decode's logits rows, a view into llama.cpp's buffer (none were copied while
         the device's argmax is on: asking is a bug, not stale rows)."""
-        if getattr(self, "_argmax", None) is not None:
+        if self._argmax is not None:
             raise RuntimeError("logits rows asked for while the argmax runs on the device")
         ptr = _b.C.llama_get_logits(ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))

@@ -242,7 +242,7 @@ class Engine:
             st.pauses = req.policy.guard.n_backoffs
         if getattr(self.ctx, "closed", False) or sys.is_finalizing():
             return
-        if getattr(self.ctx, "_argmax", None) is not None:
+        if getattr(self.ctx, "argmax_on", False):
             self.ctx.device_argmax(False)      # the next prompt's prefill reads its logits
         self.ctx.reconcile()
         if not self.ctx.truncate(min(self.ctx.n_past, n_prompt + len(req.out))):

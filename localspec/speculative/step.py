@@ -51,7 +51,7 @@ def step(ctx, proposal, sampling: SamplingParams, history: Sequence[int],
     clock = time.perf_counter
     drafts, n_past, p_draft = list(proposal.tokens), ctx.n_past, proposal.p_draft
     decode_start = clock()
-    if getattr(ctx, "_argmax", None) is not None:
+    if getattr(ctx, "argmax_on", False):         # a scripted test context has none
         targets = ctx.verify_tokens([history[-1], *drafts])
         decode_end = clock()
         return _finish(ctx, argmax_verify(targets, drafts), drafts, n_past, decode_start,
