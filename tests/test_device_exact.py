@@ -200,3 +200,25 @@ def test_two_slots_give_their_lone_texts_with_exact_on_the_device(dev_tiny, exac
     alone = run_alone(dev_tiny, reqs, **kw)
     with Slots(dev_tiny, parallel_config(2, **kw), 2) as slots:
         assert run_together(slots, reqs) == alone
+
+
+def test_the_device_argmax_is_refused_on_vulkan_and_greedy_text_keeps_its_rows(dev_tiny):
+    """The argmax on the device (EngineConfig.device_argmax) crashed on lavapipe: on Vulkan a
+    context refuses it and the engine keeps reading rows, with the same greedy text. On CUDA it
+    is the recipe's overhead step that times it (scripts/bench/step_overhead.py
+    --device-argmax)."""
+    from localspec.llama import Context, ContextParams
+    if "Vulkan" not in dev_tiny.device:
+        pytest.skip(f"not Vulkan ({dev_tiny.device})")
+    with Context(dev_tiny, ContextParams(512, 512, 2)) as ctx:
+        assert not ctx.device_argmax(True) and not ctx.argmax_on
+    from localspec.policy.config import PolicyConfig
+    from localspec.speculative.engine import Engine, EngineConfig
+    texts = []
+    for flag in (True, False):
+        config = EngineConfig(n_ctx=1024, n_threads=1, n_gpu_layers=ALL, tie_margin=0.0,
+                              device_argmax=flag, policy=PolicyConfig(fixed_k=4))
+        with Engine(dev_tiny, config) as e:
+            texts.append([e.generate(p, SamplingParams(), max_tokens=16).complete_tokens()
+                          for p in PROMPTS[:3]])
+    assert texts[0] == texts[1]

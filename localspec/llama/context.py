@@ -165,9 +165,13 @@ class Context(Handle):
         (on a GPU the rows' copy and the host's argmax were most of a step's host work, and
         nothing else is copied). While it is on, verify_tokens() is the way to decode rows and
         reading logits raises. Each change costs one graph reserve at the next decode (~3-6 ms
-        on a 2-core CPU). Returns whether it is on (False: llama.cpp could not offload it)."""
+        on a 2-core CPU). Returns whether it is on (False: llama.cpp could not offload it, or
+        the rows are made on Vulkan, where it crashed: lavapipe's worker segfaulted on the
+        sampled read, or the next decode aborted on a corrupt heap)."""
         if on == (self._argmax is not None):
             return on
+        if on and self.model.output_on_device and "Vulkan" in self.model.device:
+            return False
         ctx = self._live()
         if on:
             chain = _b.C.llama_sampler_chain_init(_b.C.llama_sampler_chain_default_params())

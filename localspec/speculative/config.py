@@ -44,10 +44,11 @@ class EngineConfig:
     learn: bool = True                    # add this engine's outputs to it (False: read only)
     store_mb: Optional[float] = None      # its RAM budget (None: $LOCALSPEC_STORE_MB or 64)
     store_disk: bool = True               # keep it in <home>/store across restarts
-    device_argmax: Optional[bool] = None  # greedy rows' argmax by llama.cpp's backend sampler,
+    device_argmax: bool = False           # greedy rows' argmax by llama.cpp's backend sampler,
                                           # only each row's token copied back (Context.
                                           # device_argmax), for greedy requests without a
-                                          # penalty or the near-tie guard; None: where the
-                                          # output layer is on a GPU, True: wherever it can
+                                          # penalty or the near-tie guard. Opt-in until a GPU
+                                          # run proves it: never on Vulkan (it crashed on
+                                          # lavapipe), dearer than rows on a CPU
     refit_cost: bool = True               # refine r(k) from step timings (False: the cached
                                           # curve alone decides k: same k sequence every run)

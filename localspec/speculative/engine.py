@@ -284,15 +284,12 @@ class Engine:
 
     # -- helpers -------------------------------------------------------------------------------
     def _argmax_for(self, req: Request) -> bool:
-        """Whether this request's rows may be reduced to their argmax on the device: greedy, no
-        repetition penalty, no near-tie guard (nothing needs a row but its best token), and
-        EngineConfig.device_argmax: True, or None where the output layer is on a GPU (on a
-        CPU the logits are in memory already: measured no gain on a 2-core Zen 4)."""
-        s, want = req.sampling, self.config.device_argmax
-        if want is False or not s.greedy or s.repeat_penalty != 1.0 or req.tie_margin > 0 or \
-                not hasattr(self.ctx, "device_argmax"):     # a scripted test context
-            return False
-        return want is True or self.model.output_on_device
+        """Whether this request's rows may be reduced to their argmax on the device
+        (EngineConfig.device_argmax): greedy, no repetition penalty, no near-tie guard: nothing
+        needs a row but its best token."""
+        s = req.sampling
+        return self.config.device_argmax and s.greedy and s.repeat_penalty == 1.0 and \
+            req.tie_margin == 0 and hasattr(self.ctx, "device_argmax")   # not a scripted one
 
     def _policy_for(self, override: Optional[PolicyConfig]) -> tuple:
         """(the draft policy for a request, the proposer to keep), from drafting.py. Policy None:
