@@ -122,6 +122,9 @@ def test_identity_curve_overhead_and_bench_say_what_ran(rehearsal):
     over = load(out / "out1", "overhead.json")
     assert over["status"].startswith("ok")
     assert {(r["step"], r["k"]) for r in over["rows"]} >= {("engine", 0), ("per-row", 2)}
+    # the argmax on the device, timed in a process of its own beside the engine's step
+    assert over["argmax"]["status"] == "ok", over["argmax"]
+    assert {(r["step"], r["k"]) for r in over["argmax"]["rows"]} >= {("argmax", 0), ("argmax", 2)}
     bench = load(out / "out2", "bench.json")
     assert bench["status"].startswith("ok"), bench.get("log_tail")
     assert {r["mode"] for r in bench["rows"]} == {"plain", "ngram", "peer"}

@@ -68,8 +68,13 @@ def headline(step: str, data) -> str:
                              f"can pay: {data['draft']['draft_can_pay']}")
             return "; ".join(parts)
         if step == "overhead":
-            return "; ".join(f"{r['step']} k={r['k']} {r['mode']}: device {r['device_ms']:.2f} ms,"
-                             f" overhead {r['overhead_ms']:.2f} ms" for r in data.get("rows", []))
+            argmax = data.get("argmax") or {}
+            rows = data.get("rows", []) + [r for r in argmax.get("rows", [])
+                                           if r["step"] == "argmax"]
+            line = "; ".join(f"{r['step']} k={r['k']} {r['mode']}: device {r['device_ms']:.2f} ms,"
+                             f" overhead {r['overhead_ms']:.2f} ms" for r in rows)
+            return line + ("" if argmax.get("status", "ok") == "ok"
+                           else f"; device argmax: {argmax['status']}")
         if step == "bench":
             return "; ".join(f"{s['mode']} {s['decode_tps']} tok/s" + (
                 "" if s["mode"] == "plain" else f", {s['geomean_ratio']}x plain, "
