@@ -13,6 +13,7 @@ import numpy as np
 from ..errors import LocalspecError
 from . import backend as _b
 from . import native, rpc
+from .argmax import DeviceArgmax
 from .exact_rows import exact_for
 from .model import Model
 
@@ -130,13 +131,10 @@ class Handle:
                           f"{self.model.crash_hint}"):
             _b.C.llama_batch_free(self._batch)
             _b.C.llama_free(ctx)
-            chain, self._argmax = getattr(self, "_argmax", None), None
-            if chain is not None:                 # its context no longer refers to it
-                _b.C.llama_sampler_free(chain)
         _b.drain_log()
 
 
-class Context(Handle):
+class Context(DeviceArgmax, Handle):
     """One sequence (seq 0) of KV cache over a Model, with the batch buffer reused for every decode.
 
     Invariant: `tokens` are the ids whose KV rows fill positions 0..n_past-1 of seq 0, in order;
@@ -147,7 +145,6 @@ class Context(Handle):
     """
 
     seq = 0               # the llama.cpp sequence this object's rows belong to
-    _argmax = None        # the device argmax's sampler chain, while it is on
 
     def __init__(self, model: Model, params: ContextParams = ContextParams()):
         self._open(model, params, params.n_ctx)
@@ -157,49 +154,6 @@ class Context(Handle):
             self._batch.seq_id[i][0] = 0
         self.tokens: list = []
         self._clean = (0, 0)      # rows computed in whole on-grid chunks from 0, and that grid
-
-    # -- the argmax on the device --------------------------------------------------------------
-    def device_argmax(self, on: bool) -> bool:
-        """Attach (or detach) a greedy sampler to this sequence, which llama.cpp then runs after
-        the output layer: a decode hands back each row's argmax token, not its [n_vocab] logits
-        (on a GPU the rows' copy and the host's argmax were most of a step's host work, and
-        nothing else is copied). While it is on, verify_tokens() is the way to decode rows and
-        reading logits raises. Each change costs one graph reserve at the next decode (~3-6 ms
-        on a 2-core CPU). Returns whether it is on (False: llama.cpp could not offload it, or
-        the rows are made on Vulkan, where it crashed: lavapipe's worker segfaulted on the
-        sampled read, or the next decode aborted on a corrupt heap)."""
-        if on == (self._argmax is not None):
-            return on
-        if on and self.model.output_on_device and "Vulkan" in self.model.device:
-            return False
-        ctx = self._live()
-        if on:
-            chain = _b.C.llama_sampler_chain_init(_b.C.llama_sampler_chain_default_params())
-            _b.C.llama_sampler_chain_add(chain, _b.C.llama_sampler_init_greedy())
-            if _b.C.llama_set_sampler(ctx, self.seq, chain):
-                self._argmax = chain
-            else:
-                _b.C.llama_set_sampler(ctx, self.seq, None)
-                _b.C.llama_sampler_free(chain)
-        else:
-            chain, self._argmax = self._argmax, None
-            _b.C.llama_set_sampler(ctx, self.seq, None)
-            _b.C.llama_sampler_free(chain)      # a chain is attached once (backend_init)
-        _b.drain_log()
-        return self._argmax is not None
-
-    @property
-    def argmax_on(self) -> bool:
-        """Whether decodes of this sequence hand back each row's argmax, not its logits."""
-        return self._argmax is not None
-
-    def verify_tokens(self, tokens: Sequence[int]) -> list:
-        """A verify batch with the argmax on the device: every row's greedy token."""
-        if self._argmax is None:
-            raise RuntimeError("verify_tokens() needs device_argmax(True)")
-        self.decode(tokens, logits="all", read=False)
-        ctx = self._live()
-        return [int(_b.C.llama_get_sampled_token_ith(ctx, i)) for i in range(len(tokens))]
 
     def hold(self):
         """Marks a generation running (a slot of a shared context, slots.py); nothing here."""
@@ -309,7 +263,7 @@ class Context(Handle):
     def _logits(self, ctx, n_rows: int) -> np.ndarray:
         """The last decode's logits rows, a view into llama.cpp's buffer (none were copied while
         the device's argmax is on: asking is a bug, not stale rows)."""
-        if self._argmax is not None:
+        if self.argmax_on:
             raise RuntimeError("logits rows asked for while the argmax runs on the device")
         ptr = _b.C.llama_get_logits(ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_rows, self.model.n_vocab))
