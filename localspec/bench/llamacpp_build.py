@@ -167,10 +167,10 @@ def require_tool(name: str = TOOL) -> Path:
     return path
 
 
-def fixed_args(targets) -> list:
-    """FIXED_ARGS with what the targets add (a later -D of the same name wins in CMake, but one
-    of each keeps the BUILD note readable)."""
-    extra = [a for t in targets for a in EXTRA_ARGS.get(t, ())]
+def fixed_args(targets, more: tuple = ()) -> list:
+    """FIXED_ARGS with what the targets add, and `more` (the linked build's; a later -D of the
+    same name wins in CMake, but one of each keeps the BUILD note readable)."""
+    extra = [a for t in targets for a in EXTRA_ARGS.get(t, ())] + list(more)
     names = {a.split("=", 1)[0] for a in extra}
     return [a for a in FIXED_ARGS if a.split("=", 1)[0] not in names] + extra
 
@@ -304,7 +304,7 @@ def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = 
         raise LocalspecError(f"unknown target {(unknown or targets)[0]!r}; known: {TOOL}, "
                              f"{SERVER} ({TOOL} alone when linked).")
     ver = version()
-    args = list(LINKED_ARGS) if linked else cmake_args()
+    args = [] if linked else cmake_args()
     out = linked_dir(ver) if linked else bin_dir(ver, args)
     if all(built(out, t) for t in targets):
         return out
@@ -321,8 +321,7 @@ def build(say: Say = lambda s: print(s, file=sys.stderr), jobs: Optional[int] = 
         # One log per target set: building the server later keeps the tool's log.
         tag = "" if todo == (TOOL,) else "." + "+".join(todo)
         log_path = out.parent / f"{out.name}{tag}.build.log"
-        fixed = [a for a in fixed_args(todo) if not (linked and a.startswith(
-            "-DBUILD_SHARED_LIBS="))]
+        fixed = fixed_args(todo, LINKED_ARGS if linked else ())
         keep = tuple(d for t in todo for d in NEEDS_DIRS.get(t, ()))
         cost = " + ".join(BUILD_MINUTES.get(t, "minutes") for t in todo)
         t0 = time.monotonic()
