@@ -18,7 +18,7 @@
 #                here linked to shared libraries (scripts/llamacpp_tools.sh --linked), for the bench's llamacpp-*
 #                modes there: it runs on the CUDA wheel's own libllama and libggml, so it needs
 #                no second CUDA build. Carried when built here already; GPU_BUNDLE_LLAMACPP=1
-#                builds it first if not (~9 CPU-minutes, once), =0 leaves it out
+#                builds it first if not (~4 min on 2 cores, once), =0 leaves it out
 # Rerun it right before the calls (seconds, all cached): the parts are re-cut if the tree grew.
 # Exit 75: no package index reachable (nothing here says anything about the code).
 # Usage: scripts/gpu/gpu_bundle.sh     Env: PYTHON (default .venv/bin/python), LOCALSPEC_HOME,
@@ -148,7 +148,7 @@ for name in ${GPU_BUNDLE_SPECS:-qwen2.5-coder-1.5b qwen2.5-coder-0.5b smollm2-13
   esac
 done
 
-# 3b. llama.cpp's tool, linked to the wheel's libraries (built here once: ~9 CPU-minutes)
+# 3b. llama.cpp's tool, linked to the wheel's libraries (built here once: ~4 min on 2 cores)
 rm -rf "$G2/llamacpp.tar.xz" "$G/llamacpp.sha256"
 tools() { LOCALSPEC_HOME=$HOME_DIR PYTHON=$PY bash scripts/llamacpp_tools.sh --linked "$@"; }
 LT=$(tools --path)
