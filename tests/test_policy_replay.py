@@ -16,7 +16,7 @@ from localspec.policy.acceptance import PRIOR_WEIGHTS
 from localspec.policy.adaptive import AdaptivePolicy
 from localspec.policy.costmodel import CostModel
 from localspec.errors import LocalspecError
-from localspec.policy.config import PolicyConfig
+from localspec.policy.config import K_LIMIT, PolicyConfig
 from localspec.policy.draft_estimate import DraftPolicy
 
 RECORDING = Path(__file__).resolve().parents[1] / "data" / "recordings" / "policy_plain.json"
@@ -212,6 +212,29 @@ def test_replay_script_variants_and_calibration(tmp_path):
         assert len(out.stderr.strip().splitlines()) == 1
     out = subprocess.run(cmd[:-4] + ["--policies", "nope"], capture_output=True, text=True)
     assert out.returncode == 1 and out.stderr.startswith("error: --policies: unknown policy")
+
+
+def test_replay_script_drafts_to_the_shipped_limit_unless_told_a_lower_one():
+    """Curves are carried to --k-max (K_LIMIT by default): the policy is judged as it ships, with
+    drafts past 16 on copied code; --k-max 16 replays the old limit; a bad one is one line."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "policy_replay.py"
+    cmd = [sys.executable, str(script), "replay", str(RECORDING), "--curve", "epyc",
+           "--policies", "new", "--tie-margin", "0", "--calibration"]
+
+    def buckets(extra):
+        out = subprocess.run(cmd + extra, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert len(lines[0].split(",")) == (K_LIMIT if not extra else int(extra[1])) + 1
+        head = next(i for i, line in enumerate(lines) if line.startswith("drafting steps:"))
+        return {r.split()[2] for r in lines[head + 2:] if r.split()[1] == "code-edit"}
+
+    assert "33-64" in buckets([])
+    capped = buckets(["--k-max", "16"])
+    assert capped and not capped & {"17-32", "33-64"}
+    bad = subprocess.run(cmd + ["--k-max", "0"], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [f"error: --k-max 0: expected 1..{K_LIMIT}"]
 
 
 def test_prior_refitted_on_other_recordings_replays_beside_the_shipped_one():

@@ -5,7 +5,7 @@ model needs, fit its prior, and replay policies offline against any cost curve.
            [--model M]
     python scripts/bench/policy_replay.py replay out.json
            [--curve here|epyc|xeon|FILE.json|1,1.5,...] [--prior-curve ...] [--policies old,new]
-           [--cv] [--threads 2] [--per-case]
+           [--cv] [--threads 2] [--per-case] [--k-max 64]
            [--timing-noise 0.08] [--variant NAME:min_gain=1.2,...] [--calibration]
            [--shortfall] [--refit-on other.json,...] [--llamacpp]
     python scripts/bench/policy_replay.py fit out.json [more.json ...] [--folds 2]
@@ -48,7 +48,7 @@ from localspec.policy.acceptance import FEATURES, AcceptanceConfig
 from localspec.policy.adaptive import AdaptivePolicy
 from localspec.policy.costmodel import CostConfig, CostModel
 from localspec.errors import LocalspecError
-from localspec.policy.config import GuardConfig, PolicyConfig
+from localspec.policy.config import K_LIMIT, GuardConfig, PolicyConfig
 from localspec.policy.draft_estimate import DraftPolicy
 from replay_watch import Calibrated, Shortfall, print_calibration, print_shortfall
 
@@ -59,18 +59,18 @@ CURVES = {  # docs/design.md, the cost model; Qwen2.5-Coder-1.5B Q4_K_M, 2 threa
 PROPOSE_COST = 0.002   # proposer + policy per step, in plain-step units (measured: see --time)
 
 
-def parse_curve(text, data, threads=2):
+def parse_curve(text, data, threads=2, k_max=K_LIMIT):
     """A named curve, `here` (this machine's newest calibration of the recording's model), a
-    JSON file holding one (calibration or bench JSON), or 1,r(1),r(2),... (extended to k = 16,
+    JSON file holding one (calibration or bench JSON), or 1,r(1),r(2),... (extended to k_max,
     the last slope carried on)."""
     if text in (None, "here"):
         curve, path = rp.calibrated_curve(data["model"], threads)
         print(f"this machine's curve: {path}", file=sys.stderr)
-        return rp.extend_curve(curve, 16)
+        return rp.extend_curve(curve, k_max)
     if text in CURVES:
-        return CURVES[text]
+        return rp.extend_curve(CURVES[text], k_max)
     if text.endswith(".json"):
-        return rp.extend_curve(rp.curve_from_json(text), 16)
+        return rp.extend_curve(rp.curve_from_json(text), k_max)
     try:
         points = [float(x) for x in text.split(",")]
     except ValueError:
@@ -78,7 +78,7 @@ def parse_curve(text, data, threads=2):
     if len(points) < 2 or points[0] != 1.0 or min(points) < 1.0:
         raise LocalspecError(f"--curve {text!r}: expected epyc, xeon, here, a .json file or "
                              "numbers r(0)=1,r(1),r(2),... (each >= 1)")
-    return rp.extend_curve(points, 16)
+    return rp.extend_curve(points, k_max)
 
 
 def parse_variants(texts) -> dict:
@@ -226,8 +226,10 @@ def fold_weights(cases, folds):
 def replay(a) -> None:
     cases = load_recording(a.path)
     data = json.load(open(a.path))
-    curve = parse_curve(a.curve, data, a.threads)
-    prior = parse_curve(a.prior_curve, data, a.threads) if a.prior_curve else curve
+    if not 1 <= a.k_max <= K_LIMIT:
+        raise LocalspecError(f"--k-max {a.k_max}: expected 1..{K_LIMIT}")
+    curve = parse_curve(a.curve, data, a.threads, a.k_max)
+    prior = parse_curve(a.prior_curve, data, a.threads, a.k_max) if a.prior_curve else curve
     variants = parse_variants(a.variant)
     names = [n for n in a.policies.split(",") if n]
     names += [n for n in variants if n not in names]
@@ -252,7 +254,7 @@ def replay(a) -> None:
         names += [n for n in lr.DRAFTERS if n not in names]
     for c in cases:
         w = cv[0][cv[1][c.id]] if cv else None
-        b = rp.bound_case(c, curve, tie_margin=a.tie_margin)
+        b = rp.bound_case(c, curve, tie_margin=a.tie_margin, k_max=a.k_max)
         bounds[c.kind].append((c, b))
         if a.llamacpp:
             for name, drafter in lr.DRAFTERS.items():
@@ -266,7 +268,8 @@ def replay(a) -> None:
                 make = (lambda make=make, key=(name, c.kind), c=c:
                         Shortfall(make(), curve, c, shortfall, key, a.tie_margin))
             s = rp.replay_case(c, make, curve, propose_cost=a.propose_cost,
-                               tie_margin=a.tie_margin, timing_noise=a.timing_noise)
+                               tie_margin=a.tie_margin, timing_noise=a.timing_noise,
+                               k_max=a.k_max)
             scores[name][c.kind].append((c, s))
             if a.shortfall:
                 costs[name, c.kind][0] += s.cost
@@ -360,6 +363,11 @@ def main() -> None:
     rep.add_argument("--prior-curve", help="what the policies believe (default: --curve)")
     rep.add_argument("--threads", type=int, default=2, help="which calibration `here` reads")
     rep.add_argument("--policies", default="old,new")
+    rep.add_argument("--k-max", type=int, default=K_LIMIT,
+                     help=f"the longest draft a step may verify (default {K_LIMIT}, the shipped "
+                          "limit; 16 replays the policy as it was before 2026-11-27, and as this "
+                          "tool did before 2026-12-04); every curve is carried to it with its "
+                          "last slope")
     rep.add_argument("--propose-cost", type=float, default=PROPOSE_COST)
     rep.add_argument("--tie-margin", type=float, default=0.25)
     rep.add_argument("--cv", action="store_true")

@@ -16,7 +16,7 @@ from tools import replay as rp
 from localspec.policy.acceptance import expected_tokens
 from localspec.policy.adaptive import best_draft
 
-K_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16))
+K_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64))
 
 
 class Calibrated:
