@@ -42,6 +42,10 @@ def test_docstring_examples():
 
 # -- acceptance ------------------------------------------------------------------------------
 WARM = RequestState(streak=12, recent=0.9)      # a request that has been copying
+# An acceptance model that learns nothing within a request: no online offset, no per-token
+# hazard (where a test watches another part, such as the guard, act alone)
+NOT_LEARNING = acceptance.AcceptanceConfig(learn_rate=0.0,
+                                           weights=acceptance.PRIOR_WEIGHTS[:-1] + (0.0,))
 COLD = RequestState(streak=0, recent=0.3)       # one where guesses keep failing
 
 
@@ -64,6 +68,9 @@ def test_fast_logits_are_the_feature_matrix_times_the_weights():
                           n_occ=max(agree[0], int(rng.integers(0, 8))), agree=agree,
                           breaks=rng.integers(0, 3, n).tolist() if rng.random() < 0.7 else None)
         st = RequestState(streak=int(rng.integers(0, 80)), recent=float(rng.random()))
+        for tok in rng.integers(0, 20, 6).tolist():         # tokens that parted from a copy
+            st.seen[tok] = st.seen.get(tok, 0) + int(rng.integers(1, 4))
+            st.missed[tok] = int(rng.integers(0, st.seen[tok] + 1))
         x = acceptance.phis(f, n, st)
         want = x @ np.asarray(acceptance.PRIOR_WEIGHTS)
         np.testing.assert_allclose(model.base_logits(f, n, st), want, rtol=1e-12, atol=1e-12)
@@ -87,6 +94,30 @@ def test_disagreeing_occurrences_and_line_breaks_lower_their_position():
     pa, ps, pb = (model.predict(f, 8, WARM) for f in (agree, split, broken))
     assert list(pa[:2]) == list(ps[:2]) == list(pb[:2])   # same until position 2
     assert ps[2] < pa[2] and pb[2] < pa[2]
+
+
+def test_a_token_where_the_copies_parted_before_ends_the_next_draft_before_it():
+    """RequestState.hazard: a rename rejects the old name at each use. The verifier's misses
+    are counted per token id (checked positions only); a copy whose offer holds that token
+    again is predicted to end there, and the policy drafts up to it instead of past it."""
+    st = RequestState()
+    old = 105                                              # COPY's token 5: the old name
+    st.verified(COPY, 8, 5, [100, 101, 102, 103, 104, 7])  # drafts 0-4 accepted, 5 rejected
+    assert st.seen == {t: 1 for t in range(100, 106)} and st.missed == {old: 1}
+    st.verified(COPY, 0, 0, [100])                         # a shadow guess, right: seen only
+    assert st.seen[100] == 2 and st.hazard(100) == 0.0 and st.hazard(old) == 0.5
+    model = AcceptanceModel()
+    fresh = replace(WARM)
+    edited = replace(WARM, seen=dict(st.seen), missed=dict(st.missed))
+    pf, pe = model.predict(COPY, 16, fresh), model.predict(COPY, 16, edited)
+    assert list(pe[:5]) == list(pf[:5]) and pe[5] < pf[5] and list(pe[6:]) == list(pf[6:])
+    # a quote in prose, its second token twice the one rejected: the draft stops before it
+    quote = DraftFeatures(list(range(300, 316)), "history", 3, n_occ=1, agree=[1] * 16)
+    policy = AdaptivePolicy(CostModel(EPYC, MS, CostConfig(online=False)))
+    for parted, k in (({}, 3), ({301: 2}, 1)):
+        policy.state = RequestState(streak=1, recent=0.7, longest=64, seen=dict(parted),
+                                    missed=dict(parted))
+        assert policy.choose_draft(quote) == k
 
 
 def test_online_offset_follows_what_the_verifier_says():
@@ -347,8 +378,7 @@ def stream_nothing_accepted(policy, f, steps):
 
 
 def test_regret_guard_turns_speculation_off_within_a_bounded_number_of_steps():
-    cfg = PolicyConfig(acceptance=acceptance.AcceptanceConfig(learn_rate=0.0),  # the guard
-                         loss_budget=math.inf)                                  # alone
+    cfg = PolicyConfig(acceptance=NOT_LEARNING, loss_budget=math.inf)   # the guard alone
     policy = AdaptivePolicy(CostModel(XEON, MS), cfg)
     policy.start()
     drafted = stream_nothing_accepted(policy, COPY, 200)

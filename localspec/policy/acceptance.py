@@ -88,12 +88,23 @@ class RequestState:
     streak so far; lines: the line breaks among the streak's tokens (known where the proposal
     classes its tokens); recent: decayed share of output tokens the proposer guessed right (an
     accepted draft token counts as a right guess, the token after the last accepted one as a
-    wrong one)."""
+    wrong one); seen / missed: per token id, how often a checked position offered it and how
+    often it was the one rejected there (`hazard`)."""
 
     streak: int = 0
     recent: float = field(default_factory=lambda: RECENT_PRIOR)
     longest: int = 0
     lines: int = 0
+    seen: dict = field(default_factory=dict)
+    missed: dict = field(default_factory=dict)
+
+    def hazard(self, token: int) -> float:
+        """missed / (seen + 1) of a token id: how often this request's text parted from its
+        source where the source had this token (0 for one never rejected). An edit repeats
+        itself (a rename rejects the old name at each use; a chat leaves a quoted list at the
+        same marker), so a copy is likelier to end at such a token than its other features say."""
+        m = self.missed.get(token)
+        return m / (self.seen[token] + 1.0) if m else 0.0
 
     def verified(self, f: Optional[DraftFeatures], k: int, n_accepted: int,
                  emitted: Sequence[int]) -> None:
@@ -106,6 +117,12 @@ class RequestState:
             return
         hits = n_accepted if k else int(f.tokens[0] == emitted[0])
         missed = (n_accepted < k) if k else not hits
+        seen = self.seen
+        for t in f.tokens[:hits + missed]:
+            seen[t] = seen.get(t, 0) + 1
+        if missed:
+            t = f.tokens[hits]
+            self.missed[t] = self.missed.get(t, 0) + 1
         for _ in range(hits):
             self.recent = RECENT_DECAY * self.recent + (1.0 - RECENT_DECAY)
         if missed:
@@ -122,15 +139,23 @@ class RequestState:
 # verified one). Names in FEATURES order; `phis` builds them. Measured and left out (no gain in
 # the cross-validated replay): the target's top-2 margin or top-1 probability at the last
 # verified row, the match's true extent past ngram_max, the occurrence's distance, whether it is
-# in the prompt, one-hot short match lengths.
+# in the prompt, one-hot short match lengths. hazard: RequestState.hazard of draft token i (0
+# for a draft-store offer: its text is other outputs', and with it the store's fitted
+# corrections predicted the held-out sessions worse, log loss 0.485 against 0.478).
 FEATURES = ("bias", "log_len", "share", "lone", "log_support", "log_streak", "depth", "recent",
-            "newline", "stop", "newline_recent")
+            "newline", "stop", "newline_recent", "hazard")
 
 # Prior weights: logistic regression on the recorded plain outputs of the shipped workloads
 # (Qwen2.5-Coder-1.5B greedy, data/recordings/policy_plain.json, 60,932 conditional positions),
 # refitted with `python scripts/bench/policy_replay.py fit data/recordings/policy_plain.json`:
 # held-out log loss 0.064 per position over two folds, against 0.10-0.13 for a constant rate.
-PRIOR_WEIGHTS = (-5.217, 0.564, 3.137, -0.348, 1.295, 0.736, 0.487, 1.716, -4.893, -2.710, 2.604)
+# The hazard weight came later (2026-12-04) and was fitted alone on top of the other eleven
+# (a logistic fit with their logit as a fixed offset): -0.72 on policy_plain.json, -1.31 on
+# policy_plain_zen4.json, -1.10 on the four held-out recordings; -1.0 is shipped. Refitting all
+# twelve lowers the held-out log loss to 0.0605 / 0.0582 but moves every other weight, and
+# replayed worse on code edits than the shipped eleven plus this one (docs/policy.md).
+PRIOR_WEIGHTS = (-5.217, 0.564, 3.137, -0.348, 1.295, 0.736, 0.487, 1.716, -4.893, -2.710, 2.604,
+                 -1.0)
 
 
 def phis(f: DraftFeatures, n: int, state: RequestState) -> np.ndarray:
@@ -167,6 +192,7 @@ def phis(f: DraftFeatures, n: int, state: RequestState) -> np.ndarray:
     else:
         x[:, 8] = x[:, 9] = 0.0
     x[:, 10] = x[:, 8] * state.recent
+    x[:, 11] = 0.0 if f.source == "store" else [state.hazard(t) for t in f.tokens[:n]]
     return x
 
 
@@ -223,7 +249,7 @@ class AcceptanceModel:
         """[n] prior logits of positions 0..n-1 (no online offset): phis(f, n, state) @ weights,
         in plain floats without building the feature matrix. This runs every step, on 1-16
         positions, where a dozen numpy calls cost more than the arithmetic (~3x, measured)."""
-        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10 = self._wl
+        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11 = self._wl
         recent = state.recent
         lone_occ, log_streak = float(f.n_occ <= 1), math.log1p(min(state.streak, 64))
         const = w0 + w3 * lone_occ + w5 * log_streak + w7 * recent
@@ -235,7 +261,8 @@ class AcceptanceModel:
             w2, w4 = w2 + s_share, w4 + s_support
         newline = w8 + w10 * recent
         pos = self._position_terms(f.ngram_len, n, store)
-        agree, breaks = f.agree, f.breaks
+        agree, breaks, tokens = f.agree, f.breaks, f.tokens
+        missed, hazard = (None if store else state.missed), state.hazard
         lone = w2 + w4 * _LOG2          # no support counts: one occurrence that agrees
         z, prev = [], f.n_occ
         for i in range(n):
@@ -246,6 +273,8 @@ class AcceptanceModel:
                 zi = const + (w2 * cur / prev if prev > 0 else 0.0) + w4 * math.log1p(cur) + \
                     pos[i]
                 prev = cur
+            if missed and tokens[i] in missed:
+                zi += w11 * hazard(tokens[i])
             if breaks is not None:
                 b = breaks[i]
                 if b == NEWLINE:
