@@ -320,31 +320,40 @@ def geomean(xs: Sequence[float]) -> float:
 
 
 # -- fitting the acceptance prior -----------------------------------------------------------
-def training_rows(case: Recorded, ngram_max: int = 8, tie: str = "earliest", k_max: int = 16):
-    """(X [m, len(FEATURES)], y [m], depth [m]) for every output position t the matcher has a
-    proposal for, and every draft position i (= depth) up to its first miss: the conditional
-    samples the acceptance model predicts. The request state is kept as plain decoding would
-    see it (a token at a time, the proposal's first token checked against the output)."""
-    import numpy as np
-
-    from localspec.policy.acceptance import FEATURES, RequestState, phis
+def plain_proposals(case: Recorded, ngram_max: int = 8, tie: str = "earliest", k_max: int = 16):
+    """Yields (t, proposal features, request state) at every output position t >= 1 where the
+    matcher has a proposal of up to k_max tokens, the state as plain decoding would keep it (a
+    token at a time, the proposal's first token checked against the output); the state moves
+    on after each yield."""
+    from localspec.policy.acceptance import RequestState
     out, n = case.out, len(case.out)
-    xs, ys, depth = [], [], []
     prop = _proposer(case, ngram_max, tie)
     try:
         state = RequestState()
         for t in range(1, n):
             f = prop.features(min(k_max, n - t))
             if f is not None:
-                run = run_length(f.tokens, out, t)
-                m = min(run + 1, len(f.tokens))
-                xs.append(phis(f, m, state))
-                ys.extend(float(i < run) for i in range(m))
-                depth.extend(range(m))
+                yield t, f, state
             state.verified(f, 0, 0, out[t:t + 1])
             prop.accept(out[t:t + 1])
     finally:
-        prop.close()
+        _close(prop)
+
+
+def training_rows(case: Recorded, ngram_max: int = 8, tie: str = "earliest", k_max: int = 16):
+    """(X [m, len(FEATURES)], y [m], depth [m]) for every output position t the matcher has a
+    proposal for, and every draft position i (= depth) up to its first miss: the conditional
+    samples the acceptance model predicts, in plain_proposals()' request state."""
+    import numpy as np
+
+    from localspec.policy.acceptance import FEATURES, phis
+    xs, ys, depth = [], [], []
+    for t, f, state in plain_proposals(case, ngram_max, tie, k_max):
+        run = run_length(f.tokens, case.out, t)
+        m = min(run + 1, len(f.tokens))
+        xs.append(phis(f, m, state))
+        ys.extend(float(i < run) for i in range(m))
+        depth.extend(range(m))
     return (np.vstack(xs) if xs else np.zeros((0, len(FEATURES)))), np.array(ys), \
         np.array(depth)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -29,8 +28,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))            # the repository
 
 from tools import replay as rp  # noqa: E402
-from localspec.errors import LocalspecError  # noqa: E402
-from localspec.policy.acceptance import AcceptanceConfig, AcceptanceModel, RequestState  # noqa: E402
+from localspec.policy.acceptance import AcceptanceConfig, AcceptanceModel  # noqa: E402
 
 STREAKS = ((0, 0), (1, 4), (5, 12), (13, 30), (31, None))
 DEPTHS = (1, 4, 16, 32, 63)
@@ -54,28 +52,18 @@ def survival_table(cases: Sequence[rp.Recorded], weights: Optional[Sequence[floa
     config = AcceptanceConfig() if weights is None else AcceptanceConfig(weights=tuple(weights))
     model = AcceptanceModel(config)      # the prior alone: its online offset stays at 0
     table: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0, 0]))
+    deepest = max(depths)
     for case in cases:
-        out, n = case.out, len(case.out)
-        prop = rp._proposer(case, 8, "earliest")
-        state = RequestState()
-        try:
-            for t in range(1, n):
-                f = prop.features(min(MAX_DEPTH, n - t))
-                if f is not None:
-                    run = rp.run_length(f.tokens, out, t)
-                    p = model.predict(f, len(f.tokens), state)
-                    cells, b, s = table[case.kind], _bucket(state.streak), 1.0
-                    for j, pj in enumerate(p, 1):
-                        s *= float(pj)
-                        if j in depths:
-                            cell = cells[b, j]
-                            cell[0] += s
-                            cell[1] += run >= j
-                            cell[2] += 1
-                state.verified(f, 0, 0, out[t:t + 1])
-                prop.accept(out[t:t + 1])
-        finally:
-            rp._close(prop)
+        for t, f, state in rp.plain_proposals(case, k_max=MAX_DEPTH):
+            run = rp.run_length(f.tokens, case.out, t)
+            cells, b, s = table[case.kind], _bucket(state.streak), 1.0
+            for j, pj in enumerate(model.predict(f, deepest, state), 1):
+                s *= float(pj)
+                if j in depths:
+                    cell = cells[b, j]
+                    cell[0] += s
+                    cell[1] += run >= j
+                    cell[2] += 1
     return table
 
 
@@ -146,7 +134,4 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except LocalspecError as e:
-        sys.exit(f"error: {e}")
+    sys.exit(main())
