@@ -410,3 +410,16 @@ def test_replay_drafter_charges_each_step_its_verify_cost():
     assert s.accepted == s.drafted and sum(n for *_, n in trace) == 29
     assert s.cost == pytest.approx(sum(curve[k] for _, k, _, _ in trace))
     assert s.speedup == pytest.approx(29 / s.cost) and s.speedup > 1
+
+
+def test_every_named_replay_curve_spans_64_drafts_and_no_batch_is_cheaper_than_one_decode():
+    """The replay's named curves run r(0) = 1 to r(64), each at least one decode (the Zen 4
+    pair may dip where it was measured to: 16 rows cost less than 14 there); the Zen 5 one
+    holds its calibration's points."""
+    from tools.llamacpp_replay import CURVES, K_LLAMACPP
+    for name, pair in CURVES.items():
+        for curve in pair:
+            assert len(curve) == K_LLAMACPP + 1 and curve[0] == 1.0, name
+            assert min(curve) >= 1.0 and curve[-1] > curve[1], name
+    zen5 = CURVES["zen5"][0]
+    assert (zen5[8], zen5[16], zen5[31], zen5[63]) == (2.69, 4.74, 7.36, 13.26)

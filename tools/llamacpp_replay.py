@@ -3,7 +3,7 @@ them, replayed offline beside localspec's adaptive policy (tools/replay.py) on r
 several CPU cost curves; and, per case, where localspec pays a step that llama.cpp did not.
 
     python tools/llamacpp_replay.py data/recordings/policy_heldout3_zen4.json [more.json ...]
-        [--curves zen4,zen3,xeon,spr] [--kinds code-edit] [--per-case] [--json out.json]
+        [--curves zen4,zen3,xeon,spr,zen5] [--kinds code-edit] [--per-case] [--json out.json]
 
 ngram-simple (common/ngram-map.cpp, common_ngram_simple_draft; size_n 12, size_m 48): the last 12
 tokens of the history (the pending token included) are searched backwards for their most recent
@@ -63,11 +63,19 @@ _ZEN4_OFF = (32.9, 57.2, 76.2, 90.0, 111.0, 128.0, 145.0, 162.1, 180.9, 199.2, 2
 _zen3 = rp.extend_curve([1, 1.48, 1.96, 2.22, 2.68], K_LLAMACPP, {8: 5.86, 16: 8.44})
 _xeon = rp.extend_curve([1, 1.53, 1.75, 1.8, 2.2], K_LLAMACPP, {8: 3.0, 16: 3.9})
 _spr = rp.extend_curve([1, 1.56, 1.74, 1.74, 2.22], K_LLAMACPP, {8: 3.30, 16: 4.17})
+# Zen 5 (family 26 model 2): `localspec calibrate --threads 2` of 2026-12-07 (stable, 5 rounds within
+# 5.0%), localspec's own kernels, every k to 16 and the sparse ones to 64 (docs/benchmarks.md,
+# "AMD EPYC Zen 5: issue 63 in two rounds"); llama.cpp's kernels were not timed apart there.
+_zen5 = rp.extend_curve(
+    [1, 1.14, 1.31, 1.42, 1.80, 1.94, 2.12, 2.27, 2.69, 2.83, 2.99, 3.50, 3.90, 4.03, 4.16, 4.18,
+     4.74], K_LLAMACPP,
+    {20: 5.43, 24: 6.11, 28: 6.86, 31: 7.36, 40: 9.14, 47: 10.27, 56: 12.15, 63: 13.26, 64: 13.79})
 CURVES = {
     "zen4": (_from_ms(dict(zip(_ZEN4_ROWS, _ZEN4_OFF))), _from_ms(dict(zip(_ZEN4_ROWS, _ZEN4_ON)))),
     "zen3": (_zen3, _zen3),
     "xeon": (_xeon, _xeon),
     "spr": (_spr, _spr),
+    "zen5": (_zen5, _zen5),
 }
 
 
