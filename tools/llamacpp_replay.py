@@ -63,9 +63,10 @@ _ZEN4_OFF = (32.9, 57.2, 76.2, 90.0, 111.0, 128.0, 145.0, 162.1, 180.9, 199.2, 2
 _zen3 = rp.extend_curve([1, 1.48, 1.96, 2.22, 2.68], K_LLAMACPP, {8: 5.86, 16: 8.44})
 _xeon = rp.extend_curve([1, 1.53, 1.75, 1.8, 2.2], K_LLAMACPP, {8: 3.0, 16: 3.9})
 _spr = rp.extend_curve([1, 1.56, 1.74, 1.74, 2.22], K_LLAMACPP, {8: 3.30, 16: 4.17})
-# Zen 5 (family 26 model 2): `localspec calibrate --threads 2` of 2026-12-07 (stable, 5 rounds within
-# 5.0%), localspec's own kernels, every k to 16 and the sparse ones to 64 (docs/benchmarks.md,
-# "AMD EPYC Zen 5: issue 63 in two rounds"); llama.cpp's kernels were not timed apart there.
+# Zen 5 (family 26 model 2): `localspec calibrate --threads 2` of 2026-12-07 (stable, 5 rounds
+# within 5.0%), localspec's own kernels, every k to 16 and the sparse ones to 64
+# (docs/benchmarks.md, "AMD EPYC Zen 5: issue 63 in two rounds"); llama.cpp's kernels were not
+# timed apart there, so one curve stands for both.
 _zen5 = rp.extend_curve(
     [1, 1.14, 1.31, 1.42, 1.80, 1.94, 2.12, 2.27, 2.69, 2.83, 2.99, 3.50, 3.90, 4.03, 4.16, 4.18,
      4.74], K_LLAMACPP,
